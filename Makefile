@@ -1,0 +1,39 @@
+# The two commands of the README. Both create .venv when missing and install into it.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.tabloop-installed
+
+.PHONY: up down test install kafka-jars bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall when pyproject.toml changes.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+# The local broker's jars, fetched once from Maven Central into the cache.
+kafka-jars: install
+	$(BIN)/tabloop kafka fetch
+
+up: kafka-jars
+	$(BIN)/tabloop up
+
+down: install
+	$(BIN)/tabloop down
+
+# The test session starts its own broker on a free port and stops it at the end.
+test: kafka-jars
+	$(BIN)/python -m pytest
+
+bench: kafka-jars
+	$(BIN)/tabloop bench codec
+	$(BIN)/tabloop bench kafka
+
+clean:
+	rm -rf $(VENV) .tabloop

@@ -1,0 +1,1 @@
+"""Settings, the local Kafka, the Kafka layer, the CLI."""

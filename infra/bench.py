@@ -1,0 +1,95 @@
+"""Benchmarks behind `tabloop bench NAME`. Each prints progress, then one JSON object on its last line."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import uuid
+
+from infra.settings import Settings
+from schemas.codec import Codec
+from schemas.events import EVENT_TYPES
+from schemas.examples import example_event
+
+
+def _emit(result: dict) -> dict:
+    print(json.dumps(result, sort_keys=True))
+    return result
+
+
+def bench_codec(n: int = 20_000, repeats: int = 3) -> dict:
+    """Encode and decode events/s per event type, single-object format, best of ``repeats``."""
+    codec = Codec()
+    rng = random.Random(0)
+    result: dict = {"bench": "codec", "events_per_type": n, "wire_format": codec.wire_format, "types": {}}
+    for name in EVENT_TYPES:
+        events = [example_event(name, i, rng) for i in range(n)]
+        enc_best = dec_best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            blobs = [codec.encode(e) for e in events]
+            t1 = time.perf_counter()
+            for b in blobs:
+                codec.decode(b)
+            t2 = time.perf_counter()
+            enc_best, dec_best = min(enc_best, t1 - t0), min(dec_best, t2 - t1)
+        stats = {"encode_per_s": round(n / enc_best), "decode_per_s": round(n / dec_best),
+                 "bytes_per_event": round(sum(map(len, blobs)) / n)}
+        result["types"][name] = stats
+        print(f"  {name:18s} encode {stats['encode_per_s']:>9,}/s  decode {stats['decode_per_s']:>9,}/s  "
+              f"{stats['bytes_per_event']:>5} B", file=sys.stderr)
+    return _emit(result)
+
+
+def bench_kafka(settings: Settings, n: int = 200_000, partitions: int = 6) -> dict:
+    """Produce (acks=all, idempotent) then consume n CompletionServed events on a fresh topic."""
+    from confluent_kafka.admin import NewTopic
+
+    from infra import bus
+
+    codec = Codec()
+    topic = f"tabloop.bench.{uuid.uuid4().hex[:8]}"
+    admin = bus.admin_client(settings)
+    admin.create_topics([NewTopic(topic, partitions, settings.topic_replication)])[topic].result(30)
+    # Pre-build the events: we measure encoding + producing, not Python's random module.
+    rng = random.Random(1)
+    templates = [example_event("CompletionServed", i, rng) for i in range(1000)]
+    events = []
+    for i in range(n):
+        t = templates[i % len(templates)]
+        events.append(type(t)(t.type, {**t.record, "event_id": str(uuid.UUID(int=i)),
+                                       "completion_id": f"cmpl-{i}"}))
+    try:
+        producer = bus.EventProducer(settings, codec, client_id="tabloop-bench")
+        t0 = time.perf_counter()
+        for e in events:
+            producer.publish(e, topic=topic)
+        producer.flush(120)
+        produce_s = time.perf_counter() - t0
+        producer.close()
+        print(f"  produced {n:,} in {produce_s:.2f}s = {n / produce_s:,.0f}/s (acks=all)", file=sys.stderr)
+
+        consumer = bus.EventConsumer(settings, f"bench-{uuid.uuid4().hex[:6]}", [topic], codec,
+                                     client_id="tabloop-bench")
+        got, errors = 0, 0
+        t0 = None
+        deadline = time.monotonic() + 120
+        while got < n and time.monotonic() < deadline:
+            batch = consumer.poll(2000, 1.0)
+            if batch and t0 is None:
+                t0 = time.perf_counter() - 1e-9
+            got += len(batch)
+            errors += sum(1 for r in batch if r.error is not None)
+        consume_s = time.perf_counter() - (t0 or time.perf_counter())
+        consumer.close()
+        print(f"  consumed {got:,} in {consume_s:.2f}s = {got / consume_s:,.0f}/s, decode errors {errors}",
+              file=sys.stderr)
+    finally:
+        admin.delete_topics([topic])
+    size = len(codec.encode(events[0]))
+    return _emit({"bench": "kafka", "events": n, "event_type": "CompletionServed", "bytes_per_event": size,
+                  "partitions": partitions, "acks": "all", "produce_per_s": round(n / produce_s),
+                  "consume_per_s": round(got / consume_s), "consumed": got, "decode_errors": errors,
+                  "produce_mb_per_s": round(n * size / produce_s / 1e6, 1)})

@@ -1,0 +1,356 @@
+"""The one Kafka layer every component uses: a producer, a consumer, topic admin.
+
+Everything goes through the schemas' codec, so every message on every tabloop
+topic is an Avro event in the configured wire format.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewPartitions, NewTopic
+
+from infra.settings import Settings
+from schemas.codec import Codec, EventDecodeError
+from schemas.events import Event
+from schemas.registry import ConfluentSchemaRegistry
+from schemas.topics import CATALOG, Topic
+
+log = logging.getLogger("tabloop.bus")
+
+
+def make_codec(settings: Settings) -> Codec:
+    registry = ConfluentSchemaRegistry(settings.schema_registry_url) if settings.schema_registry_url else None
+    return Codec(registry)
+
+
+def _client_config(settings: Settings) -> dict:
+    return {"bootstrap.servers": settings.kafka_bootstrap, "logger": log}
+
+
+def broker_answers(settings: Settings, timeout_s: float = 2.0) -> bool:
+    """Does a broker at the configured bootstrap answer a metadata request?"""
+    # log_level 0: a broker that is down is the answer here, not an error to log.
+    admin = AdminClient({**_client_config(settings), "socket.connection.setup.timeout.ms": 1000, "log_level": 0})
+    try:
+        admin.list_topics(timeout=timeout_s)
+        return True
+    except KafkaException:
+        return False
+
+
+# -- producing ----------------------------------------------------------------
+
+
+class PublishError(RuntimeError):
+    """Kafka did not take an event; the message names the event and the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    topic: str
+    partition: int
+    offset: int
+
+
+class EventProducer:
+    """Publishes events with acks=all and idempotence: no duplicates, no reordering per key.
+
+    ``publish`` returns at once with a future that resolves to where the event
+    landed, or fails with PublishError. A background thread serves delivery
+    reports, so callers never need to poll.
+    """
+
+    def __init__(self, settings: Settings, codec: Codec | None = None, *, client_id: str = "tabloop",
+                 overrides: dict | None = None):
+        self.codec = codec or make_codec(settings)
+        conf = {
+            **_client_config(settings),
+            "client.id": client_id,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            "compression.type": "lz4",
+            "batch.size": 1_000_000,
+            "queue.buffering.max.messages": 500_000,
+            "queue.buffering.max.kbytes": 1_048_576,
+            "delivery.timeout.ms": 120_000,
+            **(overrides or {}),
+        }
+        self._producer = Producer(conf)
+        self._closed = threading.Event()
+        self._poller = threading.Thread(target=self._serve_reports, name=f"{client_id}-delivery", daemon=True)
+        self._poller.start()
+
+    def publish(self, event: Event, *, topic: str | None = None,
+                callback: Callable[[Future], None] | None = None) -> Future:
+        """Encode and send one event, keyed by its join key, timestamped with its event time.
+
+        ``topic`` overrides the catalog's topic for the event type (replays into a named topic).
+        """
+        value = self.codec.encode(event)
+        future: Future = Future()
+        if callback is not None:
+            future.add_done_callback(callback)
+        when = event.record.get(event.event_type.time_field)
+        timestamp = int(when.timestamp() * 1000) if hasattr(when, "timestamp") else 0
+        topic = topic or event.topic
+
+        def on_delivery(err, msg):
+            if err is not None:
+                future.set_exception(PublishError(f"{event.type} {event.event_id} to {topic}: {err.str()}"))
+            else:
+                future.set_result(Delivered(msg.topic(), msg.partition(), msg.offset()))
+
+        while True:
+            try:
+                self._producer.produce(topic, value, key=event.key.encode(), timestamp=timestamp,
+                                       on_delivery=on_delivery)
+                return future
+            except BufferError:  # local queue full: wait for deliveries (back-pressure)
+                self._producer.poll(0.05)
+            except KafkaException as exc:
+                raise PublishError(f"{event.type} {event.event_id} to {topic}: {exc}") from exc
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every published event is acknowledged or failed."""
+        remaining = self._producer.flush(timeout_s)
+        if remaining:
+            raise PublishError(f"{remaining} events still undelivered after {timeout_s:.0f}s (is Kafka up?)")
+
+    def pending(self) -> int:
+        return len(self._producer)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        try:
+            self.flush(timeout_s)
+        finally:
+            self._closed.set()
+            self._poller.join(timeout=5)
+
+    def __enter__(self) -> "EventProducer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _serve_reports(self) -> None:
+        while not self._closed.is_set():
+            self._producer.poll(0.1)
+
+
+# -- consuming ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Received:
+    """One message: the decoded event, or the error that kept it from decoding."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    event: Event | None
+    error: EventDecodeError | None
+
+    def position(self) -> TopicPartition:
+        """The offset to commit once this message is done with (the next one)."""
+        return TopicPartition(self.topic, self.partition, self.offset + 1)
+
+
+class EventConsumer:
+    """A consumer-group member that decodes through the codec and commits only when told.
+
+    Offsets are committed explicitly (``commit``) after the caller has made the
+    effect of the messages durable: at-least-once, nothing skipped on a crash.
+    """
+
+    def __init__(self, settings: Settings, group_id: str, topics: Iterable[str], codec: Codec | None = None,
+                 *, from_beginning: bool = True, client_id: str = "tabloop", overrides: dict | None = None):
+        self.codec = codec or make_codec(settings)
+        conf = {
+            **_client_config(settings),
+            "group.id": group_id,
+            "client.id": client_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest" if from_beginning else "latest",
+            "enable.partition.eof": False,
+            "partition.assignment.strategy": "cooperative-sticky",
+            **(overrides or {}),
+        }
+        self._consumer = Consumer(conf)
+        self._consumer.subscribe(list(topics))
+
+    def poll(self, max_messages: int = 500, timeout_s: float = 1.0) -> list[Received]:
+        messages = self._consumer.consume(max_messages, timeout_s)
+        return [received for m in messages if (received := decode_message(self.codec, m)) is not None]
+
+    def commit(self, received: Iterable[Received] | None = None) -> None:
+        """Synchronously commit the positions after ``received`` (or after all polled messages)."""
+        if received is None:
+            self._consumer.commit(asynchronous=False)
+            return
+        latest: dict[tuple[str, int], TopicPartition] = {}
+        for r in received:
+            tp = r.position()
+            key = (tp.topic, tp.partition)
+            if key not in latest or latest[key].offset < tp.offset:
+                latest[key] = tp
+        if latest:
+            self._consumer.commit(offsets=list(latest.values()), asynchronous=False)
+
+    def assignment(self) -> list[TopicPartition]:
+        return self._consumer.assignment()
+
+    def close(self) -> None:
+        self._consumer.close()
+
+    def __enter__(self) -> "EventConsumer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def decode_message(codec: Codec, m) -> Received | None:
+    """A Received for a Kafka message; None for partition-EOF notices; raises on broker errors."""
+    err = m.error()
+    if err is not None:
+        if err.code() == KafkaError._PARTITION_EOF:
+            return None
+        raise KafkaException(err)
+    value = m.value() or b""
+    try:
+        event, error = codec.decode(value), None
+    except EventDecodeError as exc:
+        event, error = None, exc
+    return Received(m.topic(), m.partition(), m.offset(), m.key(), value, event, error)
+
+
+def read_topic(settings: Settings, topic: str, codec: Codec | None = None, *, from_beginning: bool = True,
+               last: int | None = None, follow: bool = False, limit: int | None = None,
+               idle_timeout_s: float = 1.0) -> Iterable[Received]:
+    """Read a topic without a consumer group (nothing committed).
+
+    Starts at the beginning, at the end, or ``last`` messages before the end of
+    each partition; without ``follow`` it stops at the end the topic had when
+    reading began.
+    """
+    codec = codec or make_codec(settings)
+    consumer = Consumer({**_client_config(settings), "group.id": "tabloop-reader", "enable.auto.commit": False,
+                         "enable.partition.eof": True})
+    try:
+        meta = consumer.list_topics(topic, timeout=10)
+        tmeta = meta.topics.get(topic)
+        if tmeta is None or tmeta.error is not None:
+            raise ValueError(f"topic {topic!r} does not exist on {settings.kafka_bootstrap}")
+        assignment, ends, remaining = [], {}, set()
+        for p in sorted(tmeta.partitions):
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            if last is not None:
+                start = max(low, high - last)
+            else:
+                start = low if from_beginning else high
+            assignment.append(TopicPartition(topic, p, start))
+            ends[p] = high
+            if start < high:
+                remaining.add(p)
+        consumer.assign(assignment)
+        emitted = 0
+        while follow or remaining:
+            for m in consumer.consume(500, idle_timeout_s):
+                if m.error() is not None and m.error().code() == KafkaError._PARTITION_EOF:
+                    if not follow:
+                        remaining.discard(m.partition())
+                    continue
+                received = decode_message(codec, m)
+                if not follow:
+                    if received.offset >= ends[received.partition]:
+                        remaining.discard(received.partition)
+                        continue
+                    if received.offset + 1 >= ends[received.partition]:
+                        remaining.discard(received.partition)
+                yield received
+                emitted += 1
+                if limit is not None and emitted >= limit:
+                    return
+    finally:
+        consumer.close()
+
+
+# -- topics -------------------------------------------------------------------
+
+
+class TopicSetupError(RuntimeError):
+    """A topic differs from the catalog in a way that can't be fixed in place."""
+
+
+def admin_client(settings: Settings) -> AdminClient:
+    return AdminClient(_client_config(settings))
+
+
+def wanted_partitions(topic: Topic, settings: Settings) -> int:
+    return topic.partitions or settings.topic_partitions
+
+
+def ensure_topics(settings: Settings, catalog: Iterable[Topic] = CATALOG, timeout_s: float = 30.0) -> list[str]:
+    """Make the broker's topics match the catalog; return what was done, one line per action.
+
+    Creates missing topics, adds partitions and fixes configs that differ.
+    Raises TopicSetupError for what can't be changed in place (fewer
+    partitions, another replication factor), after doing everything else.
+    """
+    admin = admin_client(settings)
+    existing = admin.list_topics(timeout=timeout_s).topics
+    actions, problems = [], []
+    to_create = []
+    for topic in catalog:
+        partitions = wanted_partitions(topic, settings)
+        meta = existing.get(topic.name)
+        if meta is None:
+            to_create.append(NewTopic(topic.name, partitions, settings.topic_replication, config=dict(topic.configs)))
+            continue
+        have = len(meta.partitions)
+        if have < partitions:
+            admin.create_partitions([NewPartitions(topic.name, partitions)])[topic.name].result(timeout_s)
+            actions.append(f"{topic.name}: partitions {have} -> {partitions}")
+        elif have > partitions:
+            problems.append(f"{topic.name} has {have} partitions, the catalog wants {partitions}: Kafka cannot "
+                            "remove partitions; recreate the topic (losing its data) or set TABLOOP_TOPIC_PARTITIONS")
+        replicas = {len(p.replicas) for p in meta.partitions.values()}
+        if replicas != {settings.topic_replication}:
+            problems.append(f"{topic.name} has replication factor {sorted(replicas)}, the catalog wants "
+                            f"{settings.topic_replication}: change it with a partition reassignment "
+                            "(kafka-reassign-partitions), tabloop does not move replicas")
+        actions.extend(_fix_configs(admin, topic, timeout_s))
+    if to_create:
+        for name, fut in admin.create_topics(to_create).items():
+            try:
+                fut.result(timeout_s)
+                actions.append(f"{name}: created")
+            except KafkaException as exc:
+                if exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:  # raced with another creator
+                    actions.append(f"{name}: already exists")
+                else:
+                    problems.append(f"{name}: could not be created: {exc.args[0].str()}")
+    if problems:
+        raise TopicSetupError("\n".join(problems))
+    return actions
+
+
+def _fix_configs(admin: AdminClient, topic: Topic, timeout_s: float) -> list[str]:
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic.name)
+    current = admin.describe_configs([resource])[resource].result(timeout_s)
+    changes = {k: v for k, v in topic.configs.items() if k not in current or current[k].value != v}
+    if not changes:
+        return []
+    entries = [ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in changes.items()]
+    admin.incremental_alter_configs([ConfigResource(ConfigResource.Type.TOPIC, topic.name,
+                                                    incremental_configs=entries)])[resource].result(timeout_s)
+    return [f"{topic.name}: {k} {current[k].value if k in current else '(unset)'} -> {v}" for k, v in changes.items()]

@@ -1,0 +1,267 @@
+"""The `tabloop` command: one entry point for operators, tests and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+from infra.settings import Settings, SettingsError, load_settings
+
+
+class TabloopError(click.ClickException):
+    """An error for a person: printed without a traceback, exit code 1."""
+
+
+def _settings(ctx: click.Context) -> Settings:
+    return ctx.find_root().obj
+
+
+@click.group()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="YAML settings file (default: $TABLOOP_CONFIG, else ./tabloop.yaml when present).")
+@click.pass_context
+def main(ctx: click.Context, config_file: str | None) -> None:
+    """tabloop: serve code completions, learn from every accept and reject."""
+    from pathlib import Path
+
+    try:
+        ctx.obj = load_settings(config_file=Path(config_file) if config_file else None)
+    except SettingsError as exc:
+        raise TabloopError(f"bad setting: {exc}") from None
+    logging.basicConfig(level=ctx.obj.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# -- kafka --------------------------------------------------------------------
+
+
+@main.group()
+def kafka() -> None:
+    """The local single-node Apache Kafka (KRaft) broker."""
+
+
+def _broker(ctx: click.Context):
+    from infra.kafka_broker import KafkaLaunchError, LocalKafka
+
+    try:
+        return LocalKafka(_settings(ctx))
+    except KafkaLaunchError as exc:
+        raise TabloopError(str(exc)) from None
+
+
+def _broker_call(fn):
+    from infra.kafka_broker import KafkaLaunchError
+
+    try:
+        return fn()
+    except KafkaLaunchError as exc:
+        raise TabloopError(str(exc)) from None
+
+
+@kafka.command("fetch")
+@click.pass_context
+def kafka_fetch(ctx: click.Context) -> None:
+    """Fetch the broker's jars from Maven Central into the cache (once)."""
+    broker = _broker(ctx)
+    click.echo(f"Kafka jars in {_broker_call(broker.fetch)}")
+
+
+@kafka.command("start")
+@click.pass_context
+def kafka_start(ctx: click.Context) -> None:
+    """Start the broker; returns once it answers metadata requests."""
+    broker = _broker(ctx)
+    status = _broker_call(broker.start)
+    click.echo(f"Kafka {status.version} up on {status.bootstrap} (pid {status.pid}, data in {status.data_dir})")
+
+
+@kafka.command("stop")
+@click.pass_context
+def kafka_stop(ctx: click.Context) -> None:
+    """Stop the broker cleanly."""
+    broker = _broker(ctx)
+    click.echo("Kafka stopped" if _broker_call(broker.stop) else "Kafka was not running")
+
+
+@kafka.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.pass_context
+def kafka_status(ctx: click.Context, as_json: bool) -> None:
+    """Is the broker running and answering? Exit code 0 only if it answers."""
+    status = _broker(ctx).status()
+    if as_json:
+        click.echo(json.dumps(status.as_dict()))
+    elif status.running:
+        click.echo(f"Kafka {status.version} pid {status.pid} on {status.bootstrap}: "
+                   f"{'answering' if status.answering else 'NOT answering'}")
+    else:
+        click.echo(f"Kafka is not running (would listen on {status.bootstrap})")
+    ctx.exit(0 if status.answering else 1)
+
+
+# -- topics -------------------------------------------------------------------
+
+
+@main.group()
+def topics() -> None:
+    """The topic catalog on the broker."""
+
+
+@topics.command("create")
+@click.pass_context
+def topics_create(ctx: click.Context) -> None:
+    """Create the catalog's topics, or fix partition counts and configs that differ. Idempotent."""
+    from infra.bus import TopicSetupError, ensure_topics
+
+    try:
+        actions = ensure_topics(_settings(ctx))
+    except TopicSetupError as exc:
+        raise TabloopError(f"some topics differ from the catalog in ways tabloop can't fix:\n{exc}") from None
+    except Exception as exc:  # KafkaException: broker down, timeouts
+        raise TabloopError(f"could not reach Kafka at {_settings(ctx).kafka_bootstrap}: {exc}") from None
+    for line in actions or ["all topics match the catalog"]:
+        click.echo(line)
+
+
+@topics.command("list")
+@click.pass_context
+def topics_list(ctx: click.Context) -> None:
+    """The catalog: name, event type, partitions, configs."""
+    from infra.bus import wanted_partitions
+    from schemas.topics import CATALOG
+
+    s = _settings(ctx)
+    for t in CATALOG:
+        configs = ",".join(f"{k}={v}" for k, v in t.configs.items())
+        click.echo(f"{t.name:22s} {t.event_type:18s} partitions={wanted_partitions(t, s)} "
+                   f"replication={s.topic_replication} {configs}")
+
+
+# -- events -------------------------------------------------------------------
+
+
+@main.group()
+def events() -> None:
+    """Read the event log."""
+
+
+@events.command("dump")
+@click.argument("topic")
+@click.option("--from-beginning", is_flag=True, help="Start at the first event (default: the end, or --limit before it).")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Print at most N events; without --from-beginning, start N before the end of each partition.")
+@click.option("--follow", is_flag=True, help="Keep printing new events (otherwise stop at the current end).")
+@click.pass_context
+def events_dump(ctx: click.Context, topic: str, from_beginning: bool, limit: int | None, follow: bool) -> None:
+    """Print decoded events of TOPIC as JSON lines; undecodable ones as error lines."""
+    from infra.bus import read_topic
+
+    last = None if from_beginning or limit is None else limit
+    try:
+        for r in read_topic(_settings(ctx), topic, from_beginning=from_beginning, last=last, follow=follow,
+                            limit=limit):
+            line = {"topic": r.topic, "partition": r.partition, "offset": r.offset,
+                    "key": r.key.decode(errors="replace") if r.key is not None else None}
+            if r.event is not None:
+                line.update(r.event.to_json())
+            else:
+                line.update(error=f"{type(r.error).__name__}: {r.error}", raw=r.value[:256].hex())
+            click.echo(json.dumps(line, default=str))
+    except ValueError as exc:
+        raise TabloopError(str(exc)) from None
+    except KeyboardInterrupt:
+        pass
+
+
+# -- schemas ------------------------------------------------------------------
+
+
+@main.group()
+def schemas() -> None:
+    """The Avro event schemas and their released versions."""
+
+
+@schemas.command("check")
+def schemas_check() -> None:
+    """Fail if a current schema can't read a released version's data, or vice versa."""
+    from schemas.compat import check_all, unreleased
+
+    bad = {n: p for n, p in check_all().items() if p}
+    for name, problems in bad.items():
+        for p in problems:
+            click.echo(f"{name}: {p}", err=True)
+    for name in unreleased():
+        click.echo(f"{name}: changed since its last release (compatible); run `tabloop schemas release`")
+    if bad:
+        raise TabloopError("breaking schema changes")
+
+
+@schemas.command("release")
+def schemas_release() -> None:
+    """Keep each changed schema as its next released version."""
+    from schemas.compat import release
+
+    try:
+        written = release()
+    except ValueError as exc:
+        raise TabloopError(str(exc)) from None
+    for path in written or []:
+        click.echo(f"released {path}")
+    if not written:
+        click.echo("nothing to release: every schema is a released version")
+
+
+# -- whole system (grows with the other components) ------------------------------
+
+
+@main.command()
+@click.pass_context
+def up(ctx: click.Context) -> None:
+    """Start the system on this machine: Kafka, then the topics."""
+    ctx.invoke(kafka_start)
+    ctx.invoke(topics_create)
+
+
+@main.command()
+@click.pass_context
+def down(ctx: click.Context) -> None:
+    """Stop what `tabloop up` started."""
+    ctx.invoke(kafka_stop)
+
+
+# -- benchmarks ---------------------------------------------------------------
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks; each ends with one JSON object on its last line."""
+
+
+@bench.command("codec")
+@click.option("--events", "n", type=click.IntRange(min=100), default=20_000, show_default=True)
+def bench_codec(n: int) -> None:
+    """Encode/decode events/s per event type."""
+    from infra.bench import bench_codec as run
+
+    run(n)
+
+
+@bench.command("kafka")
+@click.option("--events", "n", type=click.IntRange(min=1000), default=200_000, show_default=True)
+@click.option("--partitions", type=click.IntRange(min=1), default=6, show_default=True)
+@click.pass_context
+def bench_kafka(ctx: click.Context, n: int, partitions: int) -> None:
+    """Produce/consume events/s of realistic CompletionServed events against the configured broker."""
+    from infra.bench import bench_kafka as run
+    from infra.bus import broker_answers
+
+    s = _settings(ctx)
+    if not broker_answers(s):
+        raise TabloopError(f"no Kafka answers on {s.kafka_bootstrap}: run `tabloop kafka start` first")
+    run(s, n, partitions)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

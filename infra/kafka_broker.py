@@ -1,0 +1,296 @@
+"""A real single-node Apache Kafka (KRaft) on 127.0.0.1, for one machine.
+
+The broker's jars are the official ``org.apache.kafka:kafka_2.13`` artifacts
+and their dependencies, fetched once from Maven Central with Maven into the
+cache directory. Storage is formatted on first start under the state dir, so
+data survives stop/start.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.settings import Settings
+
+# The newest Kafka that every client tabloop uses speaks to: see README.md →
+# "Why Kafka 3.9" (aiokafka/faust-streaming and the protocol versions Kafka 4 removed).
+KAFKA_VERSION = "3.9.1"
+POM = Path(__file__).parent / "kafka" / "pom.xml"
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+READY_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 30.0
+
+
+class KafkaLaunchError(RuntimeError):
+    """The local broker can't be fetched, started or stopped; the message says why."""
+
+
+@dataclass
+class BrokerStatus:
+    running: bool
+    answering: bool
+    pid: int | None
+    bootstrap: str
+    version: str
+    data_dir: str
+
+    def as_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+class LocalKafka:
+    def __init__(self, settings: Settings, *, java: str = "java", maven: str = "mvn"):
+        self.settings = settings
+        self.java_cmd = java
+        self.maven_cmd = maven
+        self.host, self.port = _local_listener(settings.kafka_bootstrap)
+        self.dir = settings.kafka_dir.resolve()
+        self.data_dir = self.dir / "data"
+        self.pid_file = self.dir / "kafka.pid"
+        self.log_file = self.dir / "kafka.log"
+        self.properties_file = self.dir / "server.properties"
+        self.jars_dir = settings.cache_dir.expanduser().resolve() / f"kafka-{KAFKA_VERSION}" / "libs"
+
+    # -- jars -----------------------------------------------------------------
+
+    def fetch(self) -> Path:
+        """Fetch the broker's jars with Maven once; later calls return the cache."""
+        if (self.jars_dir / ".complete").exists():
+            return self.jars_dir
+        mvn = shutil.which(self.maven_cmd)
+        if mvn is None:
+            raise KafkaLaunchError(
+                f"Maven ({self.maven_cmd!r}) is not on PATH: it fetches the Kafka {KAFKA_VERSION} jars "
+                "from Maven Central once. Install it (e.g. `apt-get install maven`) and retry."
+            )
+        self.jars_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix="libs-", dir=self.jars_dir.parent))
+        cmd = [mvn, "-B", "-q", "-f", str(POM), "dependency:copy-dependencies",
+               f"-Dkafka.version={KAFKA_VERSION}", f"-DoutputDirectory={staging}", "-DincludeScope=runtime"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not any(staging.glob(f"kafka_2.13-{KAFKA_VERSION}.jar")):
+            shutil.rmtree(staging, ignore_errors=True)
+            tail = (proc.stdout + proc.stderr).strip()[-2000:]
+            raise KafkaLaunchError(f"Maven could not fetch Kafka {KAFKA_VERSION} (exit {proc.returncode}):\n{tail}")
+        (staging / ".complete").write_text(KAFKA_VERSION + "\n")
+        if self.jars_dir.exists():  # an interrupted earlier fetch
+            shutil.rmtree(self.jars_dir)
+        staging.rename(self.jars_dir)
+        return self.jars_dir
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self, *, timeout_s: float = READY_TIMEOUT_S) -> BrokerStatus:
+        """Start the broker (formatting storage on first start); return once it answers metadata."""
+        running = self._running_pid()
+        if running:
+            if self._answers():
+                return self.status()
+            raise KafkaLaunchError(f"a broker (pid {running}) is running from {self.dir} but does not answer "
+                                   f"on {self.bootstrap}; see {self.log_file} or run `tabloop kafka stop`")
+        java = self._java()
+        if _port_in_use(self.host, self.port):
+            raise KafkaLaunchError(f"port {self.port} on {self.host} is already in use; "
+                                   "set TABLOOP_KAFKA_BOOTSTRAP to a free one")
+        jars = self.fetch()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_config(controller_port=_free_port(self.host))
+        classpath = f"{jars}/*"
+        if not (self.data_dir / "meta.properties").exists():
+            self._format(java, classpath)
+        log = open(self.log_file, "ab")
+        proc = subprocess.Popen(
+            [java, f"-Xmx{self.settings.kafka_heap}", f"-Xms{self.settings.kafka_heap}",
+             "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true",
+             f"-Dlog4j.configuration=file:{self.dir / 'log4j.properties'}",
+             f"-Dkafka.logs.dir={self.dir / 'logs'}",
+             "-cp", classpath, "kafka.Kafka", str(self.properties_file)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # survives the CLI that started it
+        )
+        log.close()
+        self.pid_file.write_text(f"{proc.pid}\n")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                self.pid_file.unlink(missing_ok=True)
+                raise KafkaLaunchError(f"Kafka exited with code {proc.returncode} while starting:\n{self._log_tail()}")
+            if self._answers():
+                return self.status()
+            time.sleep(0.3)
+        self.stop()
+        raise KafkaLaunchError(f"Kafka did not answer on {self.bootstrap} within {timeout_s:.0f}s:\n{self._log_tail()}")
+
+    def stop(self, *, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+        """Stop the broker cleanly (SIGTERM, then SIGKILL after ``timeout_s``). False if it wasn't running."""
+        pid = self._running_pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return False
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            while _alive(pid):
+                time.sleep(0.1)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+    def status(self) -> BrokerStatus:
+        pid = self._running_pid()
+        return BrokerStatus(
+            running=pid is not None,
+            answering=pid is not None and self._answers(),
+            pid=pid,
+            bootstrap=self.bootstrap,
+            version=KAFKA_VERSION,
+            data_dir=str(self.data_dir),
+        )
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # -- internals ------------------------------------------------------------
+
+    def _java(self) -> str:
+        java = shutil.which(self.java_cmd)
+        if java is None:
+            raise KafkaLaunchError(
+                f"Java ({self.java_cmd!r}) is not on PATH: the local Kafka broker needs Java 11 or newer. "
+                "Install a JDK or JRE (e.g. `apt-get install openjdk-17-jre-headless`) and retry."
+            )
+        out = subprocess.run([java, "-version"], capture_output=True, text=True)
+        m = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+        major = int(m.group(1)) if m else 0
+        if major == 1 and m.group(2):  # "1.8.0" style
+            major = int(m.group(2))
+        if major < 11:
+            raise KafkaLaunchError(f"{java} is Java {major or '?'}; Kafka {KAFKA_VERSION} needs Java 11 or newer")
+        return java
+
+    def _write_config(self, controller_port: int) -> None:
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "listeners": f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            # A single voter: the controller address may change between starts.
+            "controller.quorum.voters": f"1@{self.host}:{controller_port}",
+            "log.dirs": str(self.data_dir),
+            "num.partitions": "1",
+            # Topics are created from the catalog (`tabloop topics create`), never by a typo.
+            "auto.create.topics.enable": "false",
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "10",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "4",
+            "group.initial.rebalance.delay.ms": "0",
+            "log.retention.check.interval.ms": "300000",
+            "num.network.threads": "2",
+            "num.io.threads": "4",
+        }
+        self.properties_file.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        (self.dir / "log4j.properties").write_text(
+            "log4j.rootLogger=INFO, stdout\n"
+            "log4j.appender.stdout=org.apache.log4j.ConsoleAppender\n"
+            "log4j.appender.stdout.layout=org.apache.log4j.PatternLayout\n"
+            "log4j.appender.stdout.layout.ConversionPattern=[%d] %p %m (%c)%n\n"
+            "log4j.logger.kafka=INFO\nlog4j.logger.org.apache.kafka=INFO\n"
+            "log4j.logger.kafka.request.logger=WARN\nlog4j.logger.state.change.logger=WARN\n"
+        )
+
+    def _format(self, java: str, classpath: str) -> None:
+        cluster_id_file = self.dir / "cluster.id"
+        if not cluster_id_file.exists():
+            cluster_id_file.write_text(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=") + "\n")
+        cluster_id = cluster_id_file.read_text().strip()
+        proc = subprocess.run(
+            [java, "-Xmx256m", f"-Dlog4j.configuration=file:{self.dir / 'log4j.properties'}",
+             "-cp", classpath, "kafka.tools.StorageTool", "format",
+             "-t", cluster_id, "-c", str(self.properties_file), "--ignore-formatted"],
+            capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            raise KafkaLaunchError(f"formatting Kafka storage in {self.data_dir} failed:\n{proc.stdout}{proc.stderr}")
+
+    def _running_pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        if not _alive(pid):
+            return None
+        try:  # the pid may have been reused by an unrelated process
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return pid
+        return pid if str(self.properties_file).encode() in cmdline else None
+
+    def _answers(self) -> bool:
+        from infra.bus import broker_answers  # imports the Kafka client; only when needed
+
+        return broker_answers(self.settings)
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+
+def _local_listener(bootstrap: str) -> tuple[str, int]:
+    first = bootstrap.split(",")[0]
+    host, _, port = first.rpartition(":")
+    if host not in LOCAL_HOSTS:
+        raise KafkaLaunchError(f"TABLOOP_KAFKA_BOOTSTRAP is {bootstrap!r}: the local broker listens on "
+                               "127.0.0.1 only; point it at 127.0.0.1:<port>")
+    return ("127.0.0.1" if host == "localhost" else host.strip("[]")), int(port)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def free_port() -> int:
+    return _free_port()

@@ -1,0 +1,146 @@
+"""The one settings object. Nothing else in tabloop reads the environment.
+
+Values come from, in increasing priority: defaults, a YAML file (the path in
+``TABLOOP_CONFIG``, or ``tabloop.yaml`` in the working directory when present),
+and ``TABLOOP_<FIELD>`` environment variables. A bad value, an unknown key or
+an unknown ``TABLOOP_`` variable is an error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "TABLOOP_"
+CONFIG_VAR = "TABLOOP_CONFIG"
+DEFAULT_CONFIG_FILE = "tabloop.yaml"
+_HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+
+
+class SettingsError(ValueError):
+    """A setting that can't be used; the message names where it came from."""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="host:port[,host:port…] of the Kafka brokers")
+    state_dir: Path = Field(Path(".tabloop"), description="where local state lives (Kafka data, spool, ClickHouse…)")
+    cache_dir: Path = Field(Path.home() / ".cache" / "tabloop", description="downloaded artifacts (the Kafka jars)")
+    model: str = Field("demo", description="model path, hub id, or 'demo'")
+    clickhouse_url: str = Field("", description="chdb:///dir (embedded, default under the state dir) or http://host:8123")
+    schema_registry_url: str = Field("", description="a Confluent-compatible schema registry; empty = single-object encoding")
+    topic_partitions: int = Field(6, ge=1, le=1000, description="partitions of the event topics")
+    topic_replication: int = Field(1, ge=1, le=32, description="replication factor of every topic")
+    kafka_heap: str = Field("512m", description="JVM heap of the local broker (-Xmx)")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap(cls, v: str) -> str:
+        servers = [s.strip() for s in v.split(",")]
+        if not servers or not all(_HOST_PORT.match(s) and 0 < int(s.rsplit(":", 1)[1]) < 65536 for s in servers):
+            raise ValueError(f"expected host:port[,host:port…], got {v!r}")
+        return ",".join(servers)
+
+    @field_validator("clickhouse_url")
+    @classmethod
+    def _clickhouse(cls, v: str) -> str:
+        if v and not re.match(r"^(chdb://|https?://)", v):
+            raise ValueError(f"expected chdb:///path or http(s)://host:port, got {v!r}")
+        return v
+
+    @field_validator("schema_registry_url")
+    @classmethod
+    def _registry(cls, v: str) -> str:
+        if v and not re.match(r"^https?://", v):
+            raise ValueError(f"expected an http(s):// URL, got {v!r}")
+        return v
+
+    @field_validator("kafka_heap")
+    @classmethod
+    def _heap(cls, v: str) -> str:
+        if not re.fullmatch(r"\d+[kmgKMG]", v):
+            raise ValueError(f"expected a JVM size such as 512m or 1g, got {v!r}")
+        return v.lower()
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        if v.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError(f"expected DEBUG, INFO, WARNING or ERROR, got {v!r}")
+        return v.upper()
+
+    # -- derived ------------------------------------------------------------
+
+    @property
+    def effective_clickhouse_url(self) -> str:
+        return self.clickhouse_url or f"chdb://{(self.state_dir / 'clickhouse').resolve()}"
+
+    @property
+    def kafka_dir(self) -> Path:
+        return self.state_dir / "kafka"
+
+
+def env_var(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def load_settings(environ: Mapping[str, str] | None = None, config_file: Path | None = None,
+                  **overrides: Any) -> Settings:
+    """Settings from the environment (``os.environ`` by default), a YAML file and overrides."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+
+    path = config_file or (Path(environ[CONFIG_VAR]) if environ.get(CONFIG_VAR) else None)
+    if path is None and Path(DEFAULT_CONFIG_FILE).is_file():
+        path = Path(DEFAULT_CONFIG_FILE)
+    if path is not None:
+        for key, value in _read_yaml(path).items():
+            values[key] = value
+            origin[key] = f"{key} in {path}"
+
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_VAR:
+            continue
+        field = name[len(ENV_PREFIX):].lower()
+        values[field] = value
+        origin[field] = name
+
+    values.update(overrides)
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc, origin)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise SettingsError(f"{CONFIG_VAR}: config file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path} must hold a mapping of settings, not {type(data).__name__}")
+    return {str(k): v for k, v in data.items()}
+
+
+def _describe(exc: ValidationError, origin: dict[str, str]) -> str:
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        where = origin.get(field, field)
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(env_var(f) for f in Settings.model_fields)
+            lines.append(f"{where}: not a tabloop setting (known: {known})")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg}")
+    return "; ".join(lines)

@@ -1,0 +1,44 @@
+"""The topic catalog: every Kafka topic tabloop uses, in one place.
+
+The event topics are the event log of the whole system: every other store
+(Faust tables, ClickHouse, the trainer's state) is derived from them and can be
+rebuilt by replaying them, so they keep data forever. ``tabloop.weights`` holds
+one live record per base model and is compacted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KEEP_FOREVER = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}
+COMPACTED = {"cleanup.policy": "compact", "min.compaction.lag.ms": "60000"}
+
+
+@dataclass(frozen=True)
+class Topic:
+    name: str
+    event_type: str
+    """Name of the Avro record every message on this topic carries."""
+    configs: dict[str, str] = field(default_factory=dict)
+    partitions: int | None = None
+    """Fixed partition count, or None for the configured default."""
+
+
+COMPLETIONS = Topic("tabloop.completions", "CompletionServed", KEEP_FOREVER)
+FEEDBACK = Topic("tabloop.feedback", "FeedbackReceived", KEEP_FOREVER)
+EPISODES = Topic("tabloop.episodes", "Episode", KEEP_FOREVER)
+# One partition: weight versions must be read in the order they were published.
+WEIGHTS = Topic("tabloop.weights", "WeightVersion", COMPACTED, partitions=1)
+DEADLETTER = Topic("tabloop.deadletter", "DeadLetter", KEEP_FOREVER, partitions=1)
+
+CATALOG: tuple[Topic, ...] = (COMPLETIONS, FEEDBACK, EPISODES, WEIGHTS, DEADLETTER)
+TOPIC_BY_NAME = {t.name: t for t in CATALOG}
+TOPIC_FOR_EVENT = {t.event_type: t for t in CATALOG}
+
+
+def topic_named(name: str) -> Topic:
+    try:
+        return TOPIC_BY_NAME[name]
+    except KeyError:
+        known = ", ".join(TOPIC_BY_NAME)
+        raise ValueError(f"unknown topic {name!r}; the catalog has: {known}") from None

@@ -1,0 +1,1 @@
+"""The front door: completions, feedback ingest, auth, weight pickup."""

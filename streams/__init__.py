@@ -1,0 +1,1 @@
+"""Faust stream processing: joins, rewards, scorers, the history sink."""

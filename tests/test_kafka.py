@@ -1,0 +1,235 @@
+"""Integration tests on the real local Kafka broker (started once per session by the `kafka` fixture)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections import defaultdict
+from concurrent.futures import wait
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import ConfigResource
+
+from infra.bus import (
+    EventConsumer,
+    EventProducer,
+    PublishError,
+    TopicSetupError,
+    admin_client,
+    ensure_topics,
+    read_topic,
+)
+from infra.kafka_broker import KafkaLaunchError, LocalKafka
+from schemas.events import EVENT_TYPES
+from schemas.examples import example_event
+from schemas.topics import CATALOG, Topic
+
+pytestmark = pytest.mark.kafka
+N_PER_TYPE = 10_000
+
+
+def _topic_state(settings, name):
+    admin = admin_client(settings)
+    meta = admin.list_topics(name, timeout=10).topics[name]
+    res = ConfigResource(ConfigResource.Type.TOPIC, name)
+    configs = admin.describe_configs([res])[res].result(10)
+    return len(meta.partitions), {k: v.value for k, v in configs.items()}
+
+
+def test_topics_create_is_idempotent_and_matches_the_catalog(kafka_settings):
+    first = ensure_topics(kafka_settings)
+    assert sorted(a for a in first if a.endswith("created")) == sorted(f"{t.name}: created" for t in CATALOG)
+    assert ensure_topics(kafka_settings) == []  # second run: nothing to do
+    for t in CATALOG:
+        partitions, configs = _topic_state(kafka_settings, t.name)
+        assert partitions == (t.partitions or kafka_settings.topic_partitions)
+        for k, v in t.configs.items():
+            assert configs[k] == v, (t.name, k)
+    assert _topic_state(kafka_settings, "tabloop.weights")[1]["cleanup.policy"] == "compact"
+    assert _topic_state(kafka_settings, "tabloop.feedback")[1]["retention.ms"] == "-1"
+
+
+def test_topics_create_fixes_drift_or_says_why_not(kafka_settings):
+    name = f"tabloop.test.{uuid.uuid4().hex[:6]}"
+    ensure_topics(kafka_settings, [Topic(name, "Episode", {"retention.ms": "1000"}, partitions=2)])
+    actions = ensure_topics(kafka_settings, [Topic(name, "Episode", {"retention.ms": "-1"}, partitions=4)])
+    assert f"{name}: partitions 2 -> 4" in actions
+    assert f"{name}: retention.ms 1000 -> -1" in actions
+    partitions, configs = _topic_state(kafka_settings, name)
+    assert partitions == 4 and configs["retention.ms"] == "-1"
+    with pytest.raises(TopicSetupError, match="cannot remove partitions"):
+        ensure_topics(kafka_settings, [Topic(name, "Episode", {}, partitions=1)])
+    with pytest.raises(TopicSetupError, match="replication factor"):
+        ensure_topics(kafka_settings.model_copy(update={"topic_replication": 3}),
+                      [Topic(name, "Episode", {}, partitions=4)])
+
+
+def _publish_all(settings, events):
+    with EventProducer(settings) as producer:
+        futures = [producer.publish(e) for e in events]
+        producer.flush()
+    done, not_done = wait(futures, timeout=60)
+    assert not not_done
+    return [f.result() for f in futures]
+
+
+def test_ten_thousand_of_each_type_through_a_consumer_group(kafka, kafka_settings):
+    ensure_topics(kafka_settings)
+    sequence: dict[str, int] = {}
+    events = []
+    for type_name in EVENT_TYPES:
+        for i in range(N_PER_TYPE):
+            e = example_event(type_name, i, prompt_size=256, tokens=16)
+            # Few keys, many events per key: per-key order is what must survive.
+            if type_name in ("CompletionServed", "Episode"):
+                e.record["completion_id"] = f"cmpl-{i % 50}"
+            sequence[e.event_id] = len(events)
+            events.append(e)
+    delivered = _publish_all(kafka_settings, events)
+    assert len(delivered) == len(events)
+
+    group = f"test-{uuid.uuid4().hex[:6]}"
+    topics = [t.name for t in CATALOG]
+    got, errors = [], []
+    with EventConsumer(kafka_settings, group, topics) as consumer:
+        while len(got) + len(errors) < len(events):
+            batch = consumer.poll(5000, 5.0)
+            assert batch, f"stalled after {len(got)} events"
+            got.extend(r for r in batch if r.event)
+            errors.extend(r for r in batch if r.error)
+        consumer.commit()
+    assert errors == []
+    assert len(got) == len(events) and {r.event.event_id for r in got} == set(sequence)
+    per_type = defaultdict(int)
+    per_key_seq = defaultdict(list)
+    for r in got:
+        per_type[r.event.type] += 1
+        assert r.topic == EVENT_TYPES[r.event.type].topic
+        assert r.key.decode() == r.event.key
+        per_key_seq[(r.topic, r.key)].append(sequence[r.event.event_id])
+    assert per_type == {t: N_PER_TYPE for t in EVENT_TYPES}
+    for key, seqs in per_key_seq.items():
+        assert seqs == sorted(seqs), f"order broken for key {key}"
+    assert max(len(s) for s in per_key_seq.values()) >= N_PER_TYPE // 50
+
+    # Stop and start the broker: everything is still there.
+    counts_before = {t: sum(1 for _ in read_topic(kafka_settings, t)) for t in topics}
+    assert kafka.stop()
+    assert not kafka.status().running
+    kafka.start()
+    counts_after = {t: sum(1 for _ in read_topic(kafka_settings, t)) for t in topics}
+    assert counts_after == counts_before
+    assert sum(counts_after.values()) >= len(events)
+
+    # The group's committed offsets survived too: nothing left to read for it.
+    with EventConsumer(kafka_settings, group, topics) as consumer:
+        leftover = []
+        for _ in range(5):
+            leftover.extend(consumer.poll(1000, 1.0))
+    assert leftover == []
+
+
+def test_consumer_resumes_from_committed_offsets(kafka_settings):
+    ensure_topics(kafka_settings)
+    topic = f"tabloop.test.resume.{uuid.uuid4().hex[:6]}"
+    ensure_topics(kafka_settings, [Topic(topic, "FeedbackReceived", {}, partitions=3)])
+    events = [example_event("FeedbackReceived", i) for i in range(600)]
+    with EventProducer(kafka_settings) as producer:
+        for e in events:
+            producer.publish(e, topic=topic)
+    group = f"resume-{uuid.uuid4().hex[:6]}"
+    first = []
+    with EventConsumer(kafka_settings, group, [topic]) as consumer:
+        while len(first) < 250:
+            first.extend(consumer.poll(50, 2.0))
+        consumer.commit(first)  # commit what was processed; the rest of the batch is not
+    rest = []
+    with EventConsumer(kafka_settings, group, [topic]) as consumer:
+        for _ in range(20):
+            rest.extend(consumer.poll(1000, 1.0))
+            if len(first) + len(rest) >= len(events):
+                break
+    ids_first = [r.event.event_id for r in first]
+    ids_rest = [r.event.event_id for r in rest]
+    assert not set(ids_first) & set(ids_rest), "re-read committed events"
+    assert sorted(ids_first + ids_rest) == sorted(e.event_id for e in events), "lost or duplicated events"
+
+
+def test_delivery_failure_surfaces(kafka_settings):
+    producer = EventProducer(kafka_settings, overrides={"delivery.timeout.ms": 1500, "linger.ms": 0})
+    future = producer.publish(example_event("Episode"), topic="tabloop.no-such-topic")
+    with pytest.raises(PublishError, match="tabloop.no-such-topic"):
+        future.result(timeout=30)
+    producer.close()
+
+
+def _cli(settings, *args, timeout=60):
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
+           "TABLOOP_KAFKA_BOOTSTRAP": settings.kafka_bootstrap, "TABLOOP_STATE_DIR": str(settings.state_dir),
+           "TABLOOP_CACHE_DIR": str(settings.cache_dir)}
+    return subprocess.run([sys.executable, "-m", "infra.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_events_dump_prints_json_and_error_lines(kafka_settings):
+    topic = f"tabloop.test.dump.{uuid.uuid4().hex[:6]}"
+    ensure_topics(kafka_settings, [Topic(topic, "Episode", {}, partitions=2)])
+    events = [example_event("Episode", i) for i in range(30)]
+    with EventProducer(kafka_settings) as producer:
+        for e in events:
+            producer.publish(e, topic=topic)
+    raw = Producer({"bootstrap.servers": kafka_settings.kafka_bootstrap})
+    raw.produce(topic, b"\xc3\x01garbage-not-avro", key=b"bad")
+    raw.flush(10)
+
+    proc = _cli(kafka_settings, "events", "dump", topic, "--from-beginning")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    good = [line for line in lines if "event" in line]
+    bad = [line for line in lines if "error" in line]
+    assert len(good) == 30 and len(bad) == 1
+    assert {line["event"]["event_id"] for line in good} == {e.event_id for e in events}
+    assert good[0]["type"] == "Episode" and isinstance(good[0]["event"]["joined_at"], str)
+    assert bad[0]["key"] == "bad" and bad[0]["error"].startswith("UnknownSchemaError")
+
+    proc = _cli(kafka_settings, "events", "dump", topic, "--from-beginning", "--limit", "5")
+    assert len(proc.stdout.splitlines()) == 5
+    # Without --from-beginning: starts 3 before the end of each partition, prints at most 3.
+    ends = {}
+    for line in lines:
+        ends[line["partition"]] = max(ends.get(line["partition"], -1), line["offset"])
+    proc = _cli(kafka_settings, "events", "dump", topic, "--limit", "3")
+    tail = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(tail) == 3
+    assert all(line["offset"] > ends[line["partition"]] - 3 for line in tail)
+    proc = _cli(kafka_settings, "events", "dump", "tabloop.nope")
+    assert proc.returncode == 1 and "does not exist" in proc.stderr
+
+
+def test_cli_topics_create_and_kafka_status(kafka_settings):
+    proc = _cli(kafka_settings, "topics", "create")
+    assert proc.returncode == 0, proc.stderr
+    assert _cli(kafka_settings, "topics", "create").stdout.strip() == "all topics match the catalog"
+    status = _cli(kafka_settings, "kafka", "status", "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)["answering"] is True
+
+
+def test_clear_errors_without_java_or_maven(tmp_path, kafka_settings):
+    settings = kafka_settings.model_copy(update={"state_dir": tmp_path, "cache_dir": tmp_path / "cache",
+                                                 "kafka_bootstrap": "127.0.0.1:1"})
+    with pytest.raises(KafkaLaunchError, match="Maven .* is not on PATH"):
+        LocalKafka(settings, maven="no-such-mvn").fetch()
+    with pytest.raises(KafkaLaunchError, match="Java .* is not on PATH"):
+        LocalKafka(settings, java="no-such-java").start()
+    with pytest.raises(KafkaLaunchError, match="127.0.0.1 only"):
+        LocalKafka(settings.model_copy(update={"kafka_bootstrap": "kafka.example:9092"}))
+
+
+def test_start_refuses_a_busy_port(tmp_path, kafka, kafka_settings):
+    settings = kafka_settings.model_copy(update={"state_dir": tmp_path})
+    with pytest.raises(KafkaLaunchError, match="already in use"):
+        LocalKafka(settings).start()

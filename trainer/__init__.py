@@ -1,0 +1,1 @@
+"""Losses, the online training loop, the weight store, offline validation."""
