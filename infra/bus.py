@@ -58,12 +58,17 @@ class Delivered:
     offset: int
 
 
+DeliveryCallback = Callable[["PublishError | None", "Delivered | None"], None]
+
+
 class EventProducer:
     """Publishes events with acks=all and idempotence: no duplicates, no reordering per key.
 
-    ``publish`` returns at once with a future that resolves to where the event
-    landed, or fails with PublishError. A background thread serves delivery
-    reports, so callers never need to poll.
+    ``publish`` returns at once. Delivery failures are never silent: they go to
+    the event's ``on_delivery`` callback when given, and otherwise are logged,
+    counted and raised by the next ``flush``/``close``. ``publish_acked``
+    returns a future for callers that must know (e.g. before answering 202).
+    A background thread serves delivery reports, so callers never poll.
     """
 
     def __init__(self, settings: Settings, codec: Codec | None = None, *, client_id: str = "tabloop",
@@ -80,48 +85,84 @@ class EventProducer:
             "queue.buffering.max.messages": 500_000,
             "queue.buffering.max.kbytes": 1_048_576,
             "delivery.timeout.ms": 120_000,
+            # Reports for events sent without their own callback: only failures matter.
+            "on_delivery": self._record_failure,
             **(overrides or {}),
         }
         self._producer = Producer(conf)
+        self._failures: list[str] = []
+        self._failure_count = 0
+        self._failure_lock = threading.Lock()  # reports arrive on the poller and on flush()
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._serve_reports, name=f"{client_id}-delivery", daemon=True)
         self._poller.start()
 
-    def publish(self, event: Event, *, topic: str | None = None,
-                callback: Callable[[Future], None] | None = None) -> Future:
+    def publish(self, event: Event, *, topic: str | None = None, on_delivery: DeliveryCallback | None = None) -> None:
         """Encode and send one event, keyed by its join key, timestamped with its event time.
 
         ``topic`` overrides the catalog's topic for the event type (replays into a named topic).
         """
         value = self.codec.encode(event)
-        future: Future = Future()
-        if callback is not None:
-            future.add_done_callback(callback)
         when = event.record.get(event.event_type.time_field)
-        timestamp = int(when.timestamp() * 1000) if hasattr(when, "timestamp") else 0
-        topic = topic or event.topic
+        timestamp_ms = int(when.timestamp() * 1000) if hasattr(when, "timestamp") else 0
+        self.send_encoded(topic or event.topic, event.key.encode(), value, timestamp_ms,
+                          what=f"{event.type} {event.event_id}", on_delivery=on_delivery)
 
-        def on_delivery(err, msg):
-            if err is not None:
-                future.set_exception(PublishError(f"{event.type} {event.event_id} to {topic}: {err.str()}"))
+    def publish_acked(self, event: Event, *, topic: str | None = None) -> Future:
+        """Publish, returning a future of where the event landed (or PublishError)."""
+        future: Future = Future()
+
+        def resolve(error, delivered):
+            if error is not None:
+                future.set_exception(error)
             else:
-                future.set_result(Delivered(msg.topic(), msg.partition(), msg.offset()))
+                future.set_result(delivered)
+
+        self.publish(event, topic=topic, on_delivery=resolve)
+        return future
+
+    def send_encoded(self, topic: str, key: bytes | None, value: bytes, timestamp_ms: int = 0, *,
+                     what: str = "message", on_delivery: DeliveryCallback | None = None) -> None:
+        """Send bytes the codec already made (relaying events without decoding them)."""
+        report = None
+        if on_delivery is not None:
+            def report(err, msg):
+                if err is not None:
+                    on_delivery(PublishError(f"{what} to {topic}: {err.str()}"), None)
+                else:
+                    on_delivery(None, Delivered(msg.topic(), msg.partition(), msg.offset()))
 
         while True:
             try:
-                self._producer.produce(topic, value, key=event.key.encode(), timestamp=timestamp,
-                                       on_delivery=on_delivery)
-                return future
+                if report is None:
+                    self._producer.produce(topic, value, key=key, timestamp=timestamp_ms)
+                else:
+                    self._producer.produce(topic, value, key=key, timestamp=timestamp_ms, on_delivery=report)
+                return
             except BufferError:  # local queue full: wait for deliveries (back-pressure)
                 self._producer.poll(0.05)
             except KafkaException as exc:
-                raise PublishError(f"{event.type} {event.event_id} to {topic}: {exc}") from exc
+                raise PublishError(f"{what} to {topic}: {exc}") from exc
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every published event is acknowledged or failed."""
+        """Wait until every published event is acknowledged or failed; raise if any failed unseen."""
         remaining = self._producer.flush(timeout_s)
         if remaining:
             raise PublishError(f"{remaining} events still undelivered after {timeout_s:.0f}s (is Kafka up?)")
+        with self._failure_lock:
+            count, failures = self._failure_count, self._failures
+            self._failures, self._failure_count = [], 0
+        if count:
+            raise PublishError(f"{count} events were not delivered; first: {failures[0]}")
+
+    def _record_failure(self, err, msg) -> None:
+        if err is None:
+            return
+        with self._failure_lock:
+            self._failure_count += 1
+            if len(self._failures) < 10:
+                self._failures.append(f"to {msg.topic()}: {err.str()}")
+        log.error("event not delivered to %s: %s", msg.topic(), err.str())
 
     def pending(self) -> int:
         return len(self._producer)

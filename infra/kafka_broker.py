@@ -9,6 +9,7 @@ data survives stop/start.
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import re
 import shutil
@@ -23,10 +24,10 @@ from pathlib import Path
 
 from infra.settings import Settings
 
-# The newest Kafka that every client tabloop uses speaks to: see README.md →
-# "Why Kafka 3.9" (aiokafka/faust-streaming and the protocol versions Kafka 4 removed).
-KAFKA_VERSION = "3.9.1"
 POM = Path(__file__).parent / "kafka" / "pom.xml"
+# Pinned in the pom (one place): the newest Kafka every client tabloop uses works with.
+KAFKA_VERSION = re.search(r"<kafka.version>([^<]+)</kafka.version>", POM.read_text()).group(1)
+MIN_JAVA = 17  # Kafka 4 brokers need Java 17
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
@@ -60,7 +61,9 @@ class LocalKafka:
         self.pid_file = self.dir / "kafka.pid"
         self.log_file = self.dir / "kafka.log"
         self.properties_file = self.dir / "server.properties"
-        self.jars_dir = settings.cache_dir.expanduser().resolve() / f"kafka-{KAFKA_VERSION}" / "libs"
+        # Keyed by the pom's content: a changed pin or logging binding fetches afresh.
+        pom_digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:10]
+        self.jars_dir = settings.cache_dir.expanduser().resolve() / f"kafka-{KAFKA_VERSION}-{pom_digest}" / "libs"
 
     # -- jars -----------------------------------------------------------------
 
@@ -77,7 +80,7 @@ class LocalKafka:
         self.jars_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix="libs-", dir=self.jars_dir.parent))
         cmd = [mvn, "-B", "-q", "-f", str(POM), "dependency:copy-dependencies",
-               f"-Dkafka.version={KAFKA_VERSION}", f"-DoutputDirectory={staging}", "-DincludeScope=runtime"]
+               f"-DoutputDirectory={staging}", "-DincludeScope=runtime"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not any(staging.glob(f"kafka_2.13-{KAFKA_VERSION}.jar")):
             shutil.rmtree(staging, ignore_errors=True)
@@ -113,7 +116,7 @@ class LocalKafka:
         proc = subprocess.Popen(
             [java, f"-Xmx{self.settings.kafka_heap}", f"-Xms{self.settings.kafka_heap}",
              "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true",
-             f"-Dlog4j.configuration=file:{self.dir / 'log4j.properties'}",
+             f"-Dlog4j2.configurationFile={self._log_config}",
              f"-Dkafka.logs.dir={self.dir / 'logs'}",
              "-cp", classpath, "kafka.Kafka", str(self.properties_file)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -172,7 +175,7 @@ class LocalKafka:
         java = shutil.which(self.java_cmd)
         if java is None:
             raise KafkaLaunchError(
-                f"Java ({self.java_cmd!r}) is not on PATH: the local Kafka broker needs Java 11 or newer. "
+                f"Java ({self.java_cmd!r}) is not on PATH: the local Kafka broker needs Java {MIN_JAVA} or newer. "
                 "Install a JDK or JRE (e.g. `apt-get install openjdk-17-jre-headless`) and retry."
             )
         out = subprocess.run([java, "-version"], capture_output=True, text=True)
@@ -180,8 +183,8 @@ class LocalKafka:
         major = int(m.group(1)) if m else 0
         if major == 1 and m.group(2):  # "1.8.0" style
             major = int(m.group(2))
-        if major < 11:
-            raise KafkaLaunchError(f"{java} is Java {major or '?'}; Kafka {KAFKA_VERSION} needs Java 11 or newer")
+        if major < MIN_JAVA:
+            raise KafkaLaunchError(f"{java} is Java {major or '?'}; Kafka {KAFKA_VERSION} needs Java {MIN_JAVA} or newer")
         return java
 
     def _write_config(self, controller_port: int) -> None:
@@ -210,14 +213,18 @@ class LocalKafka:
             "num.io.threads": "4",
         }
         self.properties_file.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
-        (self.dir / "log4j.properties").write_text(
-            "log4j.rootLogger=INFO, stdout\n"
-            "log4j.appender.stdout=org.apache.log4j.ConsoleAppender\n"
-            "log4j.appender.stdout.layout=org.apache.log4j.PatternLayout\n"
-            "log4j.appender.stdout.layout.ConversionPattern=[%d] %p %m (%c)%n\n"
-            "log4j.logger.kafka=INFO\nlog4j.logger.org.apache.kafka=INFO\n"
-            "log4j.logger.kafka.request.logger=WARN\nlog4j.logger.state.change.logger=WARN\n"
+        self._log_config.write_text(
+            "status = warn\n"
+            "appender.out.type = Console\nappender.out.name = STDOUT\n"
+            "appender.out.layout.type = PatternLayout\nappender.out.layout.pattern = [%d] %p %m (%c)%n\n"
+            "rootLogger.level = INFO\nrootLogger.appenderRef.out.ref = STDOUT\n"
+            "logger.request.name = kafka.request.logger\nlogger.request.level = WARN\n"
+            "logger.state.name = state.change.logger\nlogger.state.level = WARN\n"
         )
+
+    @property
+    def _log_config(self) -> Path:
+        return self.dir / "log4j2.properties"
 
     def _format(self, java: str, classpath: str) -> None:
         cluster_id_file = self.dir / "cluster.id"
@@ -225,7 +232,7 @@ class LocalKafka:
             cluster_id_file.write_text(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=") + "\n")
         cluster_id = cluster_id_file.read_text().strip()
         proc = subprocess.run(
-            [java, "-Xmx256m", f"-Dlog4j.configuration=file:{self.dir / 'log4j.properties'}",
+            [java, "-Xmx256m", f"-Dlog4j2.configurationFile={self._log_config}",
              "-cp", classpath, "kafka.tools.StorageTool", "format",
              "-t", cluster_id, "-c", str(self.properties_file), "--ignore-formatted"],
             capture_output=True, text=True,

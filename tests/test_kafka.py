@@ -70,7 +70,7 @@ def test_topics_create_fixes_drift_or_says_why_not(kafka_settings):
 
 def _publish_all(settings, events):
     with EventProducer(settings) as producer:
-        futures = [producer.publish(e) for e in events]
+        futures = [producer.publish_acked(e) for e in events]
         producer.flush()
     done, not_done = wait(futures, timeout=60)
     assert not not_done
@@ -159,11 +159,18 @@ def test_consumer_resumes_from_committed_offsets(kafka_settings):
     assert sorted(ids_first + ids_rest) == sorted(e.event_id for e in events), "lost or duplicated events"
 
 
-def test_delivery_failure_surfaces(kafka_settings):
+def test_delivery_failures_surface(kafka_settings):
     producer = EventProducer(kafka_settings, overrides={"delivery.timeout.ms": 1500, "linger.ms": 0})
-    future = producer.publish(example_event("Episode"), topic="tabloop.no-such-topic")
-    with pytest.raises(PublishError, match="tabloop.no-such-topic"):
+    future = producer.publish_acked(example_event("Episode"), topic="tabloop.no-such-topic")
+    with pytest.raises(PublishError, match="Episode .* to tabloop.no-such-topic"):
         future.result(timeout=30)
+    seen = []
+    producer.publish(example_event("Episode"), topic="tabloop.no-such-topic", on_delivery=lambda e, d: seen.append(e))
+    producer.publish(example_event("Episode"), topic="tabloop.no-such-topic")  # no callback: flush raises
+    with pytest.raises(PublishError, match="1 events were not delivered"):
+        producer.flush(30)
+    assert len(seen) == 1 and isinstance(seen[0], PublishError)
+    producer.flush(5)  # the failure was reported once, not again
     producer.close()
 
 
