@@ -22,6 +22,7 @@ from schemas.registry import ConfluentSchemaRegistry
 from schemas.topics import CATALOG, Topic
 
 log = logging.getLogger("tabloop.bus")
+EVENT_ID_HEADER = "event_id"
 
 
 def make_codec(settings: Settings) -> Codec:
@@ -105,8 +106,11 @@ class EventProducer:
         value = self.codec.encode(event)
         when = event.record.get(event.event_type.time_field)
         timestamp_ms = int(when.timestamp() * 1000) if hasattr(when, "timestamp") else 0
+        # The event id rides along as a header too, so a reader can deduplicate
+        # without decoding (the serving spool's replay does).
         self.send_encoded(topic or event.topic, event.key.encode(), value, timestamp_ms,
-                          what=f"{event.type} {event.event_id}", on_delivery=on_delivery)
+                          what=f"{event.type} {event.event_id}", on_delivery=on_delivery,
+                          headers=[(EVENT_ID_HEADER, event.event_id.encode())])
 
     def publish_acked(self, event: Event, *, topic: str | None = None) -> Future:
         """Publish, returning a future of where the event landed (or PublishError)."""
@@ -122,7 +126,8 @@ class EventProducer:
         return future
 
     def send_encoded(self, topic: str, key: bytes | None, value: bytes, timestamp_ms: int = 0, *,
-                     what: str = "message", on_delivery: DeliveryCallback | None = None) -> None:
+                     what: str = "message", on_delivery: DeliveryCallback | None = None,
+                     headers: list[tuple[str, bytes]] | None = None) -> None:
         """Send bytes the codec already made (relaying events without decoding them)."""
         report = None
         if on_delivery is not None:
@@ -135,9 +140,10 @@ class EventProducer:
         while True:
             try:
                 if report is None:
-                    self._producer.produce(topic, value, key=key, timestamp=timestamp_ms)
+                    self._producer.produce(topic, value, key=key, timestamp=timestamp_ms, headers=headers)
                 else:
-                    self._producer.produce(topic, value, key=key, timestamp=timestamp_ms, on_delivery=report)
+                    self._producer.produce(topic, value, key=key, timestamp=timestamp_ms, headers=headers,
+                                           on_delivery=report)
                 return
             except BufferError:  # local queue full: wait for deliveries (back-pressure)
                 self._producer.poll(0.05)

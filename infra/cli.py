@@ -213,6 +213,90 @@ def schemas_release() -> None:
         click.echo("nothing to release: every schema is a released version")
 
 
+# -- serving ----------------------------------------------------------------------
+
+
+@main.command()
+@click.pass_context
+def serve(ctx: click.Context) -> None:
+    """The front door: completions on TABLOOP_COMPLETIONS_PORT (8081), feedback on TABLOOP_FEEDBACK_PORT (8082)."""
+    import asyncio
+
+    from serving.server import Server
+    from trainer.models import ModelLoadError
+
+    try:
+        server = Server(_settings(ctx))
+    except (ModelLoadError, ValueError, OSError) as exc:
+        raise TabloopError(str(exc)) from None
+    click.echo(f"tabloop serve: completions http://{server.settings.serve_host}:{server.ports[0]}/v1 "
+               f"feedback http://{server.settings.serve_host}:{server.ports[1]} "
+               f"(engine {server.engine.name}, model {server.engine.model_name}, auth {server.settings.auth})")
+    try:
+        asyncio.run(server.serve())
+    except KeyboardInterrupt:
+        pass
+
+
+@main.group()
+def keys() -> None:
+    """API keys: each maps to a project and a user. Stored hashed under the state dir."""
+
+
+def _keystore(ctx: click.Context):
+    from serving.auth import KeyStore
+
+    return KeyStore(_settings(ctx).keys_file)
+
+
+@keys.command("add")
+@click.option("--project", required=True, help="Project the key belongs to.")
+@click.option("--user", required=True, help="User the key belongs to.")
+@click.option("--rate", type=click.IntRange(min=1), default=None, help="Requests per minute (default: server's).")
+@click.pass_context
+def keys_add(ctx: click.Context, project: str, user: str, rate: int | None) -> None:
+    """Make a key and print it once (only its hash is kept)."""
+    try:
+        click.echo(_keystore(ctx).add(project, user, rate))
+    except ValueError as exc:
+        raise TabloopError(str(exc)) from None
+
+
+@keys.command("list")
+@click.pass_context
+def keys_list(ctx: click.Context) -> None:
+    """Key ids with their project and user (never the keys)."""
+    for p in _keystore(ctx).list():
+        click.echo(f"{p.key_id}  project={p.project_id}  user={p.user_id}  rate={p.rate_per_minute or 'default'}")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@click.pass_context
+def keys_revoke(ctx: click.Context, key_id: str) -> None:
+    """Revoke a key by its id."""
+    if not _keystore(ctx).revoke(key_id):
+        raise TabloopError(f"no key with id {key_id!r}")
+    click.echo(f"revoked {key_id}")
+
+
+@main.group()
+def model() -> None:
+    """Models built here, offline."""
+
+
+@model.command("tiny")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory to write.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def model_tiny(out_dir: str, seed: int) -> None:
+    """A tiny Qwen2-architecture model with random weights and a Qwen-style tokenizer (seconds; for tests)."""
+    from pathlib import Path
+
+    from trainer.models import build_tiny_model
+
+    click.echo(f"tiny model in {build_tiny_model(Path(out_dir), seed=seed)}")
+
+
 # -- whole system (grows with the other components) ------------------------------
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -40,6 +40,24 @@ class Settings(BaseModel):
     kafka_heap: str = Field("512m", description="JVM heap of the local broker (-Xmx)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
 
+    # -- the front door (serving/) --
+    serve_host: str = Field("127.0.0.1", description="address the front door listens on")
+    completions_port: int = Field(8081, ge=0, le=65535, description="port of /v1/completions (0: any free port)")
+    feedback_port: int = Field(8082, ge=0, le=65535, description="port of the feedback routes (0: any free port)")
+    engine: Literal["transformers", "vllm"] = Field("transformers", description="transformers (in-process) or vllm")
+    vllm_urls: str = Field("", description="comma-separated base URLs of vLLM OpenAI servers (engine=vllm)")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N (transformers engine)")
+    max_batch: int = Field(8, ge=1, le=256, description="requests decoded together (transformers engine)")
+    max_new_tokens: int = Field(256, ge=1, le=8192, description="server-side cap on max_tokens")
+    max_prompt_tokens: int = Field(2048, ge=16, le=131072, description="longer prompts lose the top of the prefix")
+    exploration_temperature: float | None = Field(None, ge=0, le=2,
+                                                  description="if set, overrides the client's temperature")
+    auth: Literal["keys", "open"] = Field("keys", description="keys: Bearer API keys; open: no auth, localhost only")
+    rate_limit_per_minute: int = Field(600, ge=1, description="requests per minute per API key (default)")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="larger request bodies get 413")
+    ack_timeout_s: float = Field(5.0, gt=0, le=120, description="wait for Kafka before spooling feedback")
+    replica_id: str = Field("", description="name of this serving replica in events (default: host-pid)")
+
     @field_validator("kafka_bootstrap")
     @classmethod
     def _bootstrap(cls, v: str) -> str:
@@ -47,6 +65,11 @@ class Settings(BaseModel):
         if not servers or not all(_HOST_PORT.match(s) and 0 < int(s.rsplit(":", 1)[1]) < 65536 for s in servers):
             raise ValueError(f"expected host:port[,host:port…], got {v!r}")
         return ",".join(servers)
+
+    @field_validator("exploration_temperature", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v):
+        return None if v == "" else v
 
     @field_validator("clickhouse_url")
     @classmethod
@@ -85,6 +108,14 @@ class Settings(BaseModel):
     @property
     def kafka_dir(self) -> Path:
         return self.state_dir / "kafka"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.state_dir / "spool"
+
+    @property
+    def keys_file(self) -> Path:
+        return self.state_dir / "keys.json"
 
 
 def env_var(field: str) -> str:

@@ -1,0 +1,222 @@
+"""The front door: two Starlette apps (completions on 8081, feedback on 8082) around one engine.
+
+Route tables are at the bottom of this file; everything a route needs hangs
+off ``FrontDoor``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from infra.settings import Settings
+from serving import feedback
+from serving.auth import KeyStore, RateLimiter
+from serving.completions import CompletionRun, parse_completion_request
+from serving.engines.base import Engine
+from serving.http import HTTPProblem, SSEResponse, read_json
+from serving.publisher import EventPublisher
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+@dataclass(frozen=True)
+class Caller:
+    key_id: str
+    project_id: str
+    user_id: str
+    rate_per_minute: int | None = None
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.latency = Histogram("tabloop_completion_latency_seconds", "Completion latency", buckets=LATENCY_BUCKETS,
+                                 registry=r)
+        self.ttft = Histogram("tabloop_completion_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.tokens = Counter("tabloop_completion_tokens", "Completion tokens generated", registry=r)
+        self.tokens_per_s = Gauge("tabloop_completion_tokens_per_second", "Tokens/s of the last completion",
+                                  registry=r)
+        self.completions = Counter("tabloop_completions", "Completions served", ["finish_reason"], registry=r)
+        self.feedback = Counter("tabloop_feedback", "Feedback accepted", ["source"], registry=r)
+        self.events = Counter("tabloop_events_published", "Events handed to Kafka or the spool", ["route"],
+                              registry=r)
+        self.spool_depth = Gauge("tabloop_spool_depth", "Events in the local spool waiting for Kafka", registry=r)
+        self.policy_version = Gauge("tabloop_policy_version", "Policy version now serving", registry=r)
+
+
+class FrontDoor:
+    def __init__(self, settings: Settings, engine: Engine, publisher: EventPublisher, keys: KeyStore | None = None):
+        if settings.auth == "open" and settings.serve_host not in LOOPBACK:
+            raise ValueError(f"TABLOOP_AUTH=open serves without keys: only on a loopback address, "
+                             f"not TABLOOP_SERVE_HOST={settings.serve_host}")
+        self.settings = settings
+        self.engine = engine
+        self.publisher = publisher
+        self.keys = keys or KeyStore(settings.keys_file)
+        self.limiter = RateLimiter(settings.rate_limit_per_minute)
+        self.metrics = Metrics()
+        self.replica_id = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    # -- auth -----------------------------------------------------------------------
+
+    def authenticate(self, request: Request) -> Caller:
+        claimed = request.headers.get("x-project-id")
+        if self.settings.auth == "open":
+            caller = Caller("open", claimed or "local", request.headers.get("x-user-id") or "local")
+        else:
+            presented = _presented_key(request)
+            if not presented:
+                raise HTTPProblem(401, "an API key is required: Authorization: Bearer <key>",
+                                  kind="authentication_error")
+            principal = self.keys.verify(presented)
+            if principal is None:
+                raise HTTPProblem(401, "unknown or revoked API key", kind="authentication_error")
+            caller = Caller(principal.key_id, principal.project_id, principal.user_id, principal.rate_per_minute)
+            if claimed is not None and claimed != caller.project_id:
+                raise HTTPProblem(403, f"this key belongs to project {caller.project_id!r}, not {claimed!r}",
+                                  kind="permission_error")
+        wait = self.limiter.check(caller.key_id, caller.rate_per_minute)
+        if wait > 0:
+            raise HTTPProblem(429, f"rate limit exceeded; retry in {wait:.1f}s", kind="rate_limit_error",
+                              headers={"Retry-After": str(math.ceil(wait))})
+        return caller
+
+    # -- completions ----------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        caller = self.authenticate(request)
+        params = parse_completion_request(await read_json(request, self.settings.max_body_bytes), self.settings)
+        run = CompletionRun(params, self.engine, self.settings, caller.project_id, caller.user_id, self.replica_id)
+        headers = {"X-Tabloop-Completion-Id": run.completion_id}
+        if not params.stream:
+            try:
+                body = await run.complete()
+            finally:
+                self._record(run)
+            headers["X-Tabloop-Policy-Version"] = str(run.policy_version)
+            return JSONResponse(body, headers=headers)
+        # Streaming: the version is known before the first token (a request runs on one version).
+        headers["X-Tabloop-Policy-Version"] = str(self.engine.policy_version)
+
+        async def payloads():
+            try:
+                async for payload in run.sse_payloads():
+                    yield payload
+            finally:
+                self._record(run)
+
+        return SSEResponse(payloads(), headers=headers)
+
+    def _record(self, run: CompletionRun) -> None:
+        """Metrics and the CompletionServed event, off the latency path."""
+        m = self.metrics
+        m.latency.observe(run.latency_ms / 1000)
+        if run.token_ids:
+            m.ttft.observe(run.ttft_ms / 1000)
+            m.tokens.inc(len(run.token_ids))
+            if run.latency_ms > 0:
+                m.tokens_per_s.set(len(run.token_ids) / (run.latency_ms / 1000))
+        m.completions.labels(run.finish_reason or "abort").inc()
+        self.publisher.submit(run.event())
+        m.events.labels("completion").inc()
+
+    async def models(self, request: Request) -> Response:
+        self.authenticate(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "tabloop",
+             "policy_version": self.engine.policy_version}]})
+
+    # -- feedback -------------------------------------------------------------------
+
+    async def _ingest(self, request: Request, parse) -> Response:
+        caller = self.authenticate(request)
+        body = await read_json(request, self.settings.max_body_bytes)
+        event = parse(body, project_id=caller.project_id, user_id=caller.user_id)
+        if event is None:  # a data: event that is not about autocomplete
+            return JSONResponse({"event_id": None, "ignored": body.get("name")}, status_code=202)
+        where = await self.publisher.publish_durably(event)
+        self.metrics.feedback.labels(event.record["source"]).inc()
+        self.metrics.events.labels("feedback").inc()
+        return JSONResponse({"event_id": event.event_id, "stored": where}, status_code=202)
+
+    async def fork_feedback(self, request: Request) -> Response:
+        return await self._ingest(request, feedback.from_fork)
+
+    async def continue_events(self, request: Request) -> Response:
+        return await self._ingest(request, feedback.from_continue_data)
+
+    async def api_feedback(self, request: Request) -> Response:
+        return await self._ingest(request, feedback.from_api)
+
+    # -- health -----------------------------------------------------------------------
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    async def readyz(self, request: Request) -> Response:
+        checks = {"model": self.engine.ready(), "events": self._events_writable()}
+        ok = all(checks.values())
+        return JSONResponse({"ready": ok, **checks, "policy_version": self.engine.policy_version},
+                            status_code=200 if ok else 503)
+
+    def _events_writable(self) -> bool:
+        # Kafka answering, or the spool's directory writable: either way no event is lost.
+        return self.publisher.kafka_ok() or os.access(self.publisher.spool.directory, os.W_OK)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        self.metrics.spool_depth.set(self.publisher.depth())
+        self.metrics.policy_version.set(self.engine.policy_version)
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- the route tables -----------------------------------------------------------------
+
+    def _common(self) -> list[Route]:
+        return [Route("/healthz", _guard(self.healthz)), Route("/readyz", _guard(self.readyz)),
+                Route("/metrics", _guard(self.metrics_endpoint))]
+
+    def completions_app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/completions", _guard(self.completions), methods=["POST"]),
+            Route("/v1/models", _guard(self.models)),
+            *self._common(),
+        ])
+
+    def feedback_app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/api/training/submit", _guard(self.fork_feedback), methods=["POST"]),
+            Route("/api/continue/events", _guard(self.continue_events), methods=["POST"]),
+            Route("/v1/feedback", _guard(self.api_feedback), methods=["POST"]),
+            *self._common(),
+        ])
+
+
+def _presented_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip() or None
+    return request.headers.get("api-key") or None  # Continue sends both headers
+
+
+def _guard(handler):
+    """Turn HTTPProblem into its error response."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except HTTPProblem as problem:
+            return problem.response()
+
+    endpoint.__name__ = handler.__name__
+    return endpoint

@@ -1,0 +1,225 @@
+"""/v1/completions: the OpenAI legacy completions API, as Continue speaks it.
+
+A request becomes a ``CompletionRun``: it tokenizes and trims the prompt, asks
+the engine for tokens, cuts the text at stop strings (holding back what might
+be the start of one, so a stop word never leaks into a chunk), and when it
+ends — finished, cut, or abandoned by the client — hands one CompletionServed
+event to the publisher. Bookkeeping never waits on Kafka.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from infra.settings import Settings
+from schemas.events import Event, new_event
+from serving.engines.base import Engine, GenerationRequest, TokenStep
+from serving.fim import (
+    FIM_PREFIX,
+    FIM_SUFFIX,
+    QWEN_STOP_WORDS,
+    build_fim_prompt,
+    earliest_stop,
+    parse_prompt,
+    safe_emit_length,
+    trim_prompt_ids,
+)
+from serving.http import HTTPProblem, field as body_field
+
+MAX_STOP_WORDS = 32
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    client_prompt: str
+    """The prompt as the client sent it: what feedback's prompt hash refers to."""
+    model_prompt: str
+    """What the model is asked to continue (a FIM prompt built from prompt + suffix when a suffix came)."""
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    stream: bool
+    logprobs: int | None
+    return_token_ids: bool
+    user: str | None
+    model: str | None
+    seed: int | None
+
+
+def parse_completion_request(body, settings: Settings) -> CompletionParams:
+    """Validate a /v1/completions body; 400 naming the field for anything we can't honour."""
+    if not isinstance(body, dict):
+        raise HTTPProblem(400, "request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # the OpenAI client may send a one-element list
+    if not isinstance(prompt, str):
+        raise HTTPProblem(400, "'prompt' is required and must be a string", param="prompt")
+    suffix = body_field(body, "suffix", str)
+    max_tokens = body_field(body, "max_tokens", int, default=16)
+    if max_tokens < 1:
+        raise HTTPProblem(400, "'max_tokens' must be at least 1", param="max_tokens")
+    temperature = float(body_field(body, "temperature", (int, float), default=1.0))
+    if not 0 <= temperature <= 2:
+        raise HTTPProblem(400, "'temperature' must be between 0 and 2", param="temperature")
+    top_p = float(body_field(body, "top_p", (int, float), default=1.0))
+    if not 0 < top_p <= 1:
+        raise HTTPProblem(400, "'top_p' must be in (0, 1]", param="top_p")
+    stop = body_field(body, "stop", (str, list), default=[])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_WORDS:
+        raise HTTPProblem(400, f"'stop' must be a string or a list of at most {MAX_STOP_WORDS} strings", param="stop")
+    n = body_field(body, "n", int, default=1)
+    if n != 1:
+        raise HTTPProblem(400, "'n' other than 1 is not supported", param="n")
+    if body_field(body, "echo", bool, default=False):
+        raise HTTPProblem(400, "'echo' is not supported", param="echo")
+    logprobs = body_field(body, "logprobs", (int, bool))
+    if isinstance(logprobs, bool):
+        logprobs = 1 if logprobs else None
+    if logprobs is not None and not 0 <= logprobs <= 5:
+        raise HTTPProblem(400, "'logprobs' must be between 0 and 5", param="logprobs")
+    seed = body_field(body, "seed", int)
+    return CompletionParams(
+        client_prompt=prompt,
+        model_prompt=build_fim_prompt(prompt, suffix) if suffix is not None else prompt,
+        max_tokens=min(max_tokens, settings.max_new_tokens),
+        temperature=settings.exploration_temperature if settings.exploration_temperature is not None
+        else temperature,
+        top_p=top_p,
+        stop=tuple(dict.fromkeys([*stop, *QWEN_STOP_WORDS])),  # the client's first, no duplicates
+        stream=body_field(body, "stream", bool, default=False),
+        logprobs=logprobs,
+        return_token_ids=body_field(body, "return_token_ids", bool, default=False),
+        user=body_field(body, "user", str),
+        model=body_field(body, "model", str),
+        seed=seed,
+    )
+
+
+@dataclass
+class CompletionRun:
+    """One completion from request to event."""
+
+    params: CompletionParams
+    engine: Engine
+    settings: Settings
+    project_id: str
+    user_id: str
+    replica_id: str
+    completion_id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    aborted: bool = False
+    policy_version: int | None = None
+    prompt_text: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    ttft_ms: float = 0.0
+    latency_ms: float = 0.0
+
+    def request(self) -> GenerationRequest:
+        tok = self.engine.tokenizer
+        ids = tok.encode(self.params.model_prompt, add_special_tokens=False)
+        if len(ids) > self.settings.max_prompt_tokens:
+            special = set(tok.all_special_ids) | {i for i in tok.convert_tokens_to_ids(list(QWEN_STOP_WORDS))
+                                                  if i is not None}
+            try:
+                ids = trim_prompt_ids(ids, self.settings.max_prompt_tokens, special,
+                                      tok.convert_tokens_to_ids(FIM_PREFIX), tok.convert_tokens_to_ids(FIM_SUFFIX))
+            except ValueError as exc:
+                raise HTTPProblem(400, str(exc), param="prompt") from None
+            self.prompt_text = tok.decode(ids, skip_special_tokens=False)
+        else:
+            self.prompt_text = self.params.model_prompt
+        return GenerationRequest(prompt_ids=ids, max_new_tokens=self.params.max_tokens,
+                                 temperature=self.params.temperature, top_p=self.params.top_p,
+                                 seed=self.params.seed, prompt_text=self.prompt_text)
+
+    async def pieces(self) -> AsyncIterator[tuple[str, list[TokenStep]]]:
+        """(text, the steps that made it) as soon as the text is safe to show; the last piece may be ('', [])."""
+        pending, steps = "", []
+        try:
+            async with aclosing(self.engine.stream(self.request())) as tokens:
+                async for step in tokens:
+                    if not self.ttft_ms:
+                        self.ttft_ms = (time.perf_counter() - self.started) * 1000
+                    self.policy_version = step.policy_version
+                    if step.token_id >= 0:  # remote engines may end with a text-only step
+                        self.token_ids.append(step.token_id)
+                        self.logprobs.append(step.logprob)
+                        steps.append(step)
+                    pending += step.text
+                    cut = earliest_stop(pending, self.params.stop)
+                    if cut >= 0:
+                        self.finish_reason = "stop"
+                        pending = pending[:cut]
+                        break
+                    if step.finish_reason:
+                        self.finish_reason = step.finish_reason
+                        break
+                    ready = safe_emit_length(pending, self.params.stop)
+                    if ready > 0:
+                        self.text += pending[:ready]
+                        yield pending[:ready], steps
+                        pending, steps = pending[ready:], []
+            self.text += pending
+            yield pending, steps
+        except BaseException:
+            self.aborted = self.finish_reason is None
+            raise
+        finally:
+            self.latency_ms = (time.perf_counter() - self.started) * 1000
+            if self.aborted:
+                self.finish_reason = "abort"
+
+    def chunk(self, text: str, steps: list[TokenStep], finish_reason: str | None) -> dict:
+        choice: dict = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.params.logprobs is not None:
+            tok = self.engine.tokenizer
+            choice["logprobs"] = {"tokens": [tok.decode([s.token_id]) for s in steps],
+                                  "token_logprobs": [s.logprob for s in steps], "top_logprobs": None,
+                                  "text_offset": None}
+        if self.params.return_token_ids:
+            choice["token_ids"] = [s.token_id for s in steps]
+        return {"id": self.completion_id, "object": "text_completion", "created": self.created,
+                "model": self.params.model or self.engine.model_name, "choices": [choice]}
+
+    async def sse_payloads(self) -> AsyncIterator[bytes]:
+        """The streaming response: one chunk per safe piece of text, the last with the finish reason."""
+        async for text, steps in self.pieces():
+            if text or steps:
+                yield json.dumps(self.chunk(text, steps, None)).encode()
+        yield json.dumps(self.chunk("", [], self.finish_reason)).encode()
+
+    async def complete(self) -> dict:
+        all_steps = []
+        async for _, steps in self.pieces():
+            all_steps.extend(steps)
+        body = self.chunk(self.text, all_steps, self.finish_reason)
+        body["usage"] = {"completion_tokens": len(self.token_ids)}
+        return body
+
+    def event(self) -> Event:
+        parsed = parse_prompt(self.params.model_prompt)
+        return new_event(
+            "CompletionServed", completion_id=self.completion_id, project_id=self.project_id,
+            user_id=self.user_id, model=self.engine.model_name,
+            policy_version=self.policy_version if self.policy_version is not None else self.engine.policy_version,
+            prompt=self.prompt_text or self.params.model_prompt,
+            prompt_sha256=hashlib.sha256(self.params.client_prompt.encode()).hexdigest(),
+            prefix=parsed.prefix, suffix=parsed.suffix, filepath=parsed.filepath,
+            completion_text=self.text, completion_token_ids=self.token_ids, completion_logprobs=self.logprobs,
+            finish_reason=self.finish_reason or "abort", aborted=self.aborted,
+            temperature=self.params.temperature, top_p=self.params.top_p, max_tokens=self.params.max_tokens,
+            ttft_ms=self.ttft_ms, latency_ms=self.latency_ms, replica_id=self.replica_id,
+        )

@@ -1,0 +1,237 @@
+"""In-process generation with Hugging Face transformers (CPU or GPU).
+
+One generation thread owns the model, so the event loop never waits on a
+forward pass. Requests that arrive together are decoded together as one
+left-padded batch with a KV cache; a new batch starts when the last one ends
+(static batching: simple, and enough for one machine). Weight versions are
+loaded into a second model copy off the generation thread and swapped in
+between batches, so a request runs start to end on one version and its tokens
+are stamped with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import torch
+
+from serving.engines.base import Engine, GenerationRequest, TokenStep
+
+log = logging.getLogger("tabloop.engine")
+_DONE = object()  # end of a request's token stream
+_WAKE = object()  # makes an idle generation thread look at staged weights
+
+
+@dataclass(eq=False)
+class _Slot:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    cancelled: bool = False
+    generated: list[int] = field(default_factory=list)
+    text_sent: int = 0
+
+    def emit(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            self.cancelled = True
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> int:
+    """Sample one token id from a row of logits (greedy below temperature 1e-4)."""
+    if temperature < 1e-4:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        cut = cumulative - sorted_probs > top_p
+        sorted_probs[cut] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TransformersEngine(Engine):
+    name = "transformers"
+
+    def __init__(self, model_spec: str, *, device: str = "cpu", max_batch: int = 8, policy_version: int = 0):
+        from trainer.models import load_model
+
+        self.model_name = model_spec
+        self.device = device
+        self.max_batch = max_batch
+        self._base_model, self._tokenizer = load_model(model_spec, device=device)
+        self._model = self._base_model
+        self.policy_version = policy_version
+        self._staged: tuple[torch.nn.Module, int, threading.Event] | None = None
+        self._lock = threading.Lock()
+        eos = {self._tokenizer.eos_token_id}
+        eos.discard(None)
+        self.eos_ids = eos
+        self.pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else min(eos)
+        self._pending: queue.Queue[_Slot | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="tabloop-generate", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    async def close(self) -> None:
+        self._pending.put(None)
+
+    # -- the async side ---------------------------------------------------------
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
+        slot = _Slot(request, asyncio.get_running_loop(), asyncio.Queue())
+        self._pending.put(slot)
+        try:
+            while True:
+                item = await slot.out.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            slot.cancelled = True  # the generation thread drops the row at its next step
+
+    async def load_version(self, version: int, uri: str, kind: str) -> None:
+        model = await asyncio.to_thread(self._build_version, version, uri, kind)
+        swapped = threading.Event()
+        with self._lock:
+            self._staged = (model, version, swapped)
+        self._pending.put(_WAKE)  # an idle engine swaps at once
+        await asyncio.to_thread(swapped.wait)
+
+    def _build_version(self, version: int, uri: str, kind: str) -> torch.nn.Module:
+        if version == 0 or not uri:
+            return self._base_model
+        path = uri.removeprefix("file://")
+        if kind == "LORA":
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(copy.deepcopy(self._base_model), path).merge_and_unload()
+        elif kind == "FULL":
+            from trainer.models import load_model
+
+            model, _ = load_model(str(path), device=self.device)
+        else:
+            raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
+        return model.eval()
+
+    # -- the generation thread --------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            first = self._pending.get()
+            if first is None:
+                return
+            self._apply_staged()
+            if first is _WAKE:
+                continue
+            batch = [first]
+            while len(batch) < self.max_batch:
+                try:
+                    more = self._pending.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._pending.put(None)
+                    break
+                if more is not _WAKE:
+                    batch.append(more)
+            batch = [s for s in batch if not s.cancelled]
+            if not batch:
+                continue
+            try:
+                self._generate(batch)
+            except Exception as exc:  # a failed batch fails its requests, not the engine
+                log.exception("generation failed")
+                for slot in batch:
+                    slot.emit(RuntimeError(f"generation failed: {exc}"))
+
+    def _apply_staged(self) -> None:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            model, version, swapped = staged
+            self._model, self.policy_version = model, version
+            log.info("now serving policy version %d", version)
+            swapped.set()
+
+    @torch.inference_mode()
+    def _generate(self, batch: list[_Slot]) -> None:
+        model, version = self._model, self.policy_version
+        device = next(model.parameters()).device
+        longest = max(len(s.request.prompt_ids) for s in batch)
+        ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, slot in enumerate(batch):  # left padding: every prompt ends at the last column
+            p = slot.request.prompt_ids
+            ids[row, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[row, longest - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1, :]
+        generators = []
+        for slot in batch:
+            g = None
+            if slot.request.seed is not None:
+                g = torch.Generator(device=device)
+                g.manual_seed(slot.request.seed)
+            generators.append(g)
+        active = [True] * len(batch)
+        last_pos = positions[:, -1]
+        while True:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            next_ids = []
+            for row, slot in enumerate(batch):
+                if not active[row] or slot.cancelled:
+                    if active[row]:
+                        active[row] = False
+                        slot.emit(_DONE)
+                    next_ids.append(self.pad_id)
+                    continue
+                req = slot.request
+                token = sample_next(logits[row], req.temperature, req.top_p, generators[row])
+                slot.generated.append(token)
+                finish = None
+                if token in self.eos_ids:
+                    finish = "stop"
+                elif len(slot.generated) >= req.max_new_tokens:
+                    finish = "length"
+                slot.emit(TokenStep(token, float(logprobs[row, token]), self._new_text(slot, finish), version,
+                                    finish))
+                if finish:
+                    active[row] = False
+                    slot.emit(_DONE)
+                next_ids.append(token)
+            if not any(active):
+                return
+            mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=mask.dtype, device=device)], dim=1)
+            last_pos = last_pos + 1
+            out = model(input_ids=torch.tensor(next_ids, device=device)[:, None], attention_mask=mask,
+                        position_ids=last_pos[:, None], past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1, :]
+
+    def _new_text(self, slot: _Slot, finish: str | None) -> str:
+        """The text the newest token adds (held back while it ends inside a multi-byte character)."""
+        ids = slot.generated[:-1] if finish == "stop" else slot.generated  # the end token shows no text
+        text = self._tokenizer.decode(ids, skip_special_tokens=False)
+        if text.endswith("\ufffd") and not finish:
+            return ""
+        new, slot.text_sent = text[slot.text_sent:], len(text)
+        return new
+
+

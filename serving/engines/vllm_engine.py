@@ -1,0 +1,125 @@
+"""Remote generation on one or more vLLM OpenAI-compatible servers (round-robin over healthy ones).
+
+Each request asks for the sampled tokens' ids and logprobs (``return_token_ids``,
+``logprobs: 0``), so the behaviour policy is recorded exactly as with the
+in-process engine. New LoRA versions are loaded on every replica with
+``/v1/load_lora_adapter`` and requested by adapter name. Anything that speaks
+the same API works as a replica, another ``tabloop serve`` included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from typing import AsyncIterator
+
+import httpx
+
+from infra.settings import Settings
+from serving.engines.base import Engine, GenerationRequest, TokenStep
+
+log = logging.getLogger("tabloop.vllm")
+UNHEALTHY_FOR_S = 5.0
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, settings: Settings, *, api_key: str | None = None):
+        from transformers import AutoTokenizer
+
+        from trainer.models import resolve_model_spec
+
+        urls = [u.strip().rstrip("/") for u in settings.vllm_urls.split(",") if u.strip()]
+        if not urls:
+            raise ValueError("TABLOOP_ENGINE=vllm needs TABLOOP_VLLM_URLS (comma-separated base URLs)")
+        self.urls = urls
+        self.model_name = resolve_model_spec(settings)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_name)
+        self._served_name = self.model_name  # the base model; a LoRA adapter's name once one is loaded
+        self._down_until = {u: 0.0 for u in urls}
+        self._order = itertools.cycle(urls)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=3.0), headers=headers)
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    def _healthy_urls(self) -> list[str]:
+        now = time.monotonic()
+        first = next(self._order)
+        ordered = self.urls[self.urls.index(first):] + self.urls[:self.urls.index(first)]
+        healthy = [u for u in ordered if self._down_until[u] <= now]
+        return healthy or ordered  # all marked down: try them anyway rather than fail outright
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
+        body = {"model": self._served_name, "prompt": request.prompt_ids, "max_tokens": request.max_new_tokens,
+                "temperature": request.temperature, "top_p": request.top_p, "stream": True, "logprobs": 0,
+                "return_token_ids": True, "skip_special_tokens": False}
+        if request.seed is not None:
+            body["seed"] = request.seed
+        version = self.policy_version
+        last_error: Exception | None = None
+        for url in self._healthy_urls():
+            emitted = False
+            try:
+                async with self._http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                    if resp.status_code >= 500:
+                        raise httpx.HTTPStatusError(f"{resp.status_code}", request=resp.request, response=resp)
+                    if resp.status_code >= 400:
+                        detail = (await resp.aread()).decode(errors="replace")[:500]
+                        raise RuntimeError(f"replica {url} refused the request ({resp.status_code}): {detail}")
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        data = line[6:]
+                        if data == "[DONE]":
+                            return
+                        for step in _steps(json.loads(data), version):
+                            emitted = True
+                            yield step
+                return
+            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                last_error = exc
+                self._down_until[url] = time.monotonic() + UNHEALTHY_FOR_S
+                log.warning("replica %s failed: %s", url, exc)
+                if emitted:  # tokens already went to the client: don't splice another replica's
+                    raise RuntimeError(f"replica {url} failed mid-completion: {exc}") from exc
+        raise RuntimeError(f"no vLLM replica answered: {last_error}")
+
+    async def load_version(self, version: int, uri: str, kind: str) -> None:
+        if version == 0:
+            self._served_name, self.policy_version = self.model_name, 0
+            return
+        if kind != "LORA":
+            raise ValueError("the vllm engine hot-loads LoRA adapters; full weights need the replicas restarted "
+                             "with the new checkpoint")
+        name = f"tabloop-v{version}"
+        for url in self.urls:
+            resp = await self._http.post(f"{url}/v1/load_lora_adapter",
+                                         json={"lora_name": name, "lora_path": uri.removeprefix("file://")})
+            if resp.status_code >= 400 and "already" not in resp.text:
+                raise RuntimeError(f"{url} could not load adapter {name}: {resp.status_code} {resp.text[:300]}")
+        self._served_name, self.policy_version = name, version
+
+
+def _steps(chunk: dict, version: int) -> list[TokenStep]:
+    """TokenSteps from one streamed completion chunk (it may carry several tokens)."""
+    choice = chunk["choices"][0]
+    ids = choice.get("token_ids") or []
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    if len(logprobs) != len(ids):
+        raise RuntimeError("the replica did not return one logprob per token id (needs return_token_ids "
+                           "and logprobs support)")
+    text, finish = choice.get("text", ""), choice.get("finish_reason")
+    if not ids:
+        return [TokenStep(-1, 0.0, text, version, finish)] if (text or finish) else []
+    steps = [TokenStep(t, float(lp), "", version) for t, lp in zip(ids[:-1], logprobs[:-1])]
+    steps.append(TokenStep(ids[-1], float(logprobs[-1]), text, version, finish))
+    return steps

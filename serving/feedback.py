@@ -1,0 +1,99 @@
+"""Feedback ingest: three payload shapes, one FeedbackReceived event. Pure parsing, no I/O.
+
+- ``/api/training/submit`` — the Continue fork's flat payload (the reference recipe);
+- ``/api/continue/events`` — stock Continue's ``data:`` destination;
+- ``/v1/feedback`` — our own API, with our completion id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from schemas.events import Event, new_event
+from serving.http import HTTPProblem, field
+
+FORK_TEXT_FIELDS = ("completionId", "filepath", "prefix", "suffix", "prompt", "completion", "modelProvider",
+                    "modelName", "uniqueId")
+OUTCOMES = ("ACCEPTED", "REJECTED", "PARTIAL")
+
+
+def _sha(text: str | None) -> str | None:
+    return hashlib.sha256(text.encode()).hexdigest() if text is not None else None
+
+
+def _check_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise HTTPProblem(400, "request body must be a JSON object")
+    return body
+
+
+def _continue_feedback(data: dict, *, where: str, source: str, project_id: str, user_id: str,
+                       raw: dict) -> Event:
+    """The fields the fork payload and the data: event share."""
+    for name in FORK_TEXT_FIELDS:
+        field(data, name, str, where=where)
+    accepted = field(data, "accepted", bool, required=True, where=where)
+    decision_ms = field(data, "time", (int, float), where=where)
+    field(data, "numLines", int, where=where)
+    cache_hit = field(data, "cacheHit", bool, default=False, where=where)
+    prompt, completion = data.get("prompt"), data.get("completion")
+    return new_event(
+        "FeedbackReceived", project_id=project_id, user_id=user_id, source=source, completion_id=None,
+        client_completion_id=data.get("completionId"), prompt=prompt, prompt_sha256=_sha(prompt),
+        completion=completion, outcome="ACCEPTED" if accepted else "REJECTED",
+        accepted_chars=len(completion) if accepted and completion is not None else None,
+        time_to_decision_ms=int(decision_ms) if decision_ms is not None else None, cache_hit=cache_hit,
+        filepath=data.get("filepath"), model_name=data.get("modelName"), raw_payload=json.dumps(raw),
+    )
+
+
+def from_fork(body, *, project_id: str, user_id: str) -> Event:
+    """``POST /api/training/submit``: the Continue fork's ``completionTrackingUrl`` payload."""
+    body = _check_object(body)
+    return _continue_feedback(body, where="", source="continue-fork", project_id=project_id, user_id=user_id,
+                              raw=body)
+
+
+def from_continue_data(body, *, project_id: str, user_id: str) -> Event | None:
+    """``POST /api/continue/events``: stock Continue's data destination; None for non-autocomplete events.
+
+    ``level: noCode`` payloads carry no code: they become outcome-only feedback
+    (prompt and completion null), counted in analytics, never trained on.
+    """
+    body = _check_object(body)
+    name = field(body, "name", str, required=True)
+    data = field(body, "data", dict, required=True)
+    field(body, "schema", str)
+    field(body, "level", str)
+    if name != "autocomplete":
+        return None
+    return _continue_feedback(data, where="data.", source="continue-data", project_id=project_id,
+                              user_id=user_id, raw=body)
+
+
+def from_api(body, *, project_id: str, user_id: str) -> Event:
+    """``POST /v1/feedback``: ``{completion_id, accepted | outcome, accepted_text?}``."""
+    body = _check_object(body)
+    completion_id = field(body, "completion_id", str, required=True)
+    accepted = field(body, "accepted", bool)
+    outcome = field(body, "outcome", str)
+    accepted_text = field(body, "accepted_text", str)
+    if outcome is not None:
+        outcome = outcome.upper()
+        if outcome not in OUTCOMES:
+            raise HTTPProblem(400, f"'outcome' must be one of {', '.join(OUTCOMES)}", param="outcome")
+        if accepted is not None and (accepted != (outcome != "REJECTED")):
+            raise HTTPProblem(400, "'accepted' contradicts 'outcome'", param="accepted")
+    elif accepted is not None:
+        outcome = "ACCEPTED" if accepted else "REJECTED"
+    else:
+        raise HTTPProblem(400, "one of 'accepted' or 'outcome' is required", param="accepted")
+    if outcome == "PARTIAL" and accepted_text is None:
+        raise HTTPProblem(400, "'accepted_text' is required for a PARTIAL outcome", param="accepted_text")
+    return new_event(
+        "FeedbackReceived", project_id=project_id, user_id=user_id, source="api", completion_id=completion_id,
+        completion=accepted_text, outcome=outcome,
+        accepted_chars=len(accepted_text) if accepted_text is not None else None,
+        time_to_decision_ms=field(body, "time_to_decision_ms", int), raw_payload=json.dumps(body),
+    )

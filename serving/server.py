@@ -1,0 +1,82 @@
+"""`tabloop serve`: one process, two ports, one engine, one publisher, the weight watcher."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from infra.settings import Settings
+from serving.app import FrontDoor
+from serving.engines.base import Engine
+from serving.publisher import EventPublisher
+
+log = logging.getLogger("tabloop.serve")
+
+
+def make_engine(settings: Settings) -> Engine:
+    if settings.engine == "vllm":
+        from serving.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(settings)
+    from serving.engines.transformers_engine import TransformersEngine
+    from trainer.models import resolve_model_spec
+
+    device = settings.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return TransformersEngine(resolve_model_spec(settings), device=device, max_batch=settings.max_batch)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class Server:
+    """Both apps on their sockets in one event loop. ``ports`` is known once bound (port 0 = any free)."""
+
+    def __init__(self, settings: Settings, engine: Engine | None = None, publisher: EventPublisher | None = None):
+        from infra.bus import make_codec
+
+        self.settings = settings
+        self.engine = engine or make_engine(settings)
+        self.publisher = publisher or EventPublisher(settings, make_codec(settings))
+        self.front_door = FrontDoor(settings, self.engine, self.publisher)
+        self.sockets = (bind(settings.serve_host, settings.completions_port),
+                        bind(settings.serve_host, settings.feedback_port))
+        self.ports = tuple(s.getsockname()[1] for s in self.sockets)
+        self._servers: list[uvicorn.Server] = []
+        self.watcher = None
+
+    async def serve(self) -> None:
+        from serving.weights import WeightWatcher
+
+        await self.engine.start()
+        self.watcher = WeightWatcher(self.settings, self.engine)
+        self.watcher.start()
+        apps = (self.front_door.completions_app(), self.front_door.feedback_app())
+        for app in apps:
+            config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=5)
+            self._servers.append(uvicorn.Server(config))
+        log.info("completions on http://%s:%d/v1, feedback on http://%s:%d", self.settings.serve_host,
+                 self.ports[0], self.settings.serve_host, self.ports[1])
+        try:
+            await asyncio.gather(*(srv.serve(sockets=[sock]) for srv, sock in zip(self._servers, self.sockets)))
+        finally:
+            await self.watcher.stop()
+            await self.engine.close()
+            await asyncio.to_thread(self.publisher.close)
+
+    def stop(self) -> None:
+        for srv in self._servers:
+            srv.should_exit = True

@@ -1,0 +1,316 @@
+"""Models and tokenizers: the real one from the hub or a directory, and a tiny one built offline.
+
+The completion model is Qwen2.5-Coder (``Qwen/Qwen2.5-Coder-1.5B`` by default).
+Tests and machines without internet use ``build_tiny_model``: a randomly
+initialised Qwen2 of a few hundred thousand parameters with a byte-level BPE
+tokenizer trained on the local Python standard library. It has the same
+architecture, the same special tokens (FIM included) and loads through the same
+``load_model`` path, so everything downstream runs unchanged; its completions
+are noise.
+
+Nothing here reads the environment: the model spec, device and dtype come in as
+arguments (from the settings object).
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+from huggingface_hub.errors import HFValidationError, HfHubHTTPError
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen2Tokenizer)
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
+
+DEFAULT_MODEL = "Qwen/Qwen2.5-Coder-1.5B"
+
+# Qwen2.5-Coder's special tokens, in the order of their ids in the real vocabulary
+# (151643…151664 there; 0…8 in the tiny tokenizer, which trains them in first).
+QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
+FIM_TOKENS: Mapping[str, str] = MappingProxyType({
+    "prefix": "<|fim_prefix|>",
+    "middle": "<|fim_middle|>",
+    "suffix": "<|fim_suffix|>",
+    "pad": "<|fim_pad|>",
+})
+EOS_TOKEN = "<|endoftext|>"
+MODEL_MARKER = "tabloop-model.json"
+
+_HOW_TO_POINT_AT_A_MODEL = (
+    f"set TABLOOP_MODEL to a local directory with the model files (e.g. one made by "
+    f"`huggingface-cli download {DEFAULT_MODEL} --local-dir DIR` on a machine with internet), "
+    f"or use `tabloop model tiny --out DIR` for a test model"
+)
+
+# Errors from_pretrained raises when a hub id can't be fetched: offline, unknown
+# repo, gated repo, malformed id. OSError covers transformers' own wrapping and
+# socket-level failures (ConnectionError is an OSError); httpx is what
+# huggingface_hub 1.x talks through.
+_HUB_ERRORS: tuple[type[BaseException], ...] = (OSError, HfHubHTTPError, HFValidationError)
+try:
+    import httpx
+    _HUB_ERRORS += (httpx.HTTPError,)
+except ImportError:  # pragma: no cover - huggingface_hub depends on httpx
+    pass
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer that can't be loaded; the message names it and what to do."""
+
+
+# -- tokenizer ---------------------------------------------------------------
+
+def build_tokenizer(out_dir: Path, *, vocab_size: int = 2048, sources: Iterable[Path] | None = None,
+                    seed_text_limit_bytes: int = 3_000_000) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on local Python source and save it into ``out_dir``.
+
+    ``sources`` are .py files or directories (searched for .py files, sorted);
+    the default is the running interpreter's standard library. At most
+    ``seed_text_limit_bytes`` of text is used. The same inputs give the same
+    tokenizer.json.
+    """
+    floor = 256 + len(QWEN_SPECIAL_TOKENS)  # the byte alphabet and the special tokens
+    if vocab_size <= floor:
+        raise ValueError(f"vocab_size must be more than {floor} (256 bytes + {len(QWEN_SPECIAL_TOKENS)} "
+                         f"special tokens), got {vocab_size}")
+    if seed_text_limit_bytes <= 0:
+        raise ValueError(f"seed_text_limit_bytes must be positive, got {seed_text_limit_bytes}")
+
+    texts = list(_seed_texts(_source_files(sources), seed_text_limit_bytes))
+    if not texts:
+        where = "the standard library" if sources is None else "the given sources"
+        raise ValueError(f"no UTF-8 Python source found in {where} to train the tokenizer on")
+
+    tok = Tokenizer(models.BPE())
+    # Qwen2's own pipeline (NFC, its split regex, then bytes). transformers 5
+    # always loads a qwen2 model's tokenizer as Qwen2Tokenizer, which rebuilds
+    # this pipeline around the saved vocab and merges; merges trained under any
+    # other split would then be applied to pieces they were not learnt on.
+    # add_prefix_space=False: a leading space stays the text's own, so
+    # decode(encode(x)) == x for NFC text.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(QWEN_SPECIAL_TOKENS),  # first, so they get ids 0…8 in this order
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+
+    # Wrap it in the class load_model will give back, so the tokenizer used
+    # right after building and the one loaded later are the same object kind
+    # with the same special tokens. Like Qwen2.5: no BOS; <|endoftext|> ends
+    # documents and pads.
+    trained = json.loads(tok.to_str())["model"]
+    fast = Qwen2Tokenizer(
+        vocab=trained["vocab"],
+        merges=[tuple(pair) for pair in trained["merges"]],
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        extra_special_tokens=[t for t in QWEN_SPECIAL_TOKENS if t != EOS_TOKEN],
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _source_files(sources: Iterable[Path] | None) -> list[Path]:
+    if sources is None:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        return [p for p in _py_files(stdlib)
+                # Installed packages aren't the standard library and differ per
+                # environment; _sysconfigdata holds this machine's build paths.
+                if not ({"site-packages", "dist-packages"} & set(p.relative_to(stdlib).parts))
+                and not p.name.startswith("_sysconfigdata")]
+    files: list[Path] = []
+    for source in sources:
+        source = Path(source)
+        if source.is_dir():
+            files.extend(_py_files(source))
+        elif source.is_file():
+            files.append(source)
+        else:
+            raise FileNotFoundError(f"tokenizer source {source} does not exist")
+    return files
+
+
+def _py_files(root: Path) -> list[Path]:
+    # Sorted by relative path so the corpus, and thus the merges, don't depend
+    # on the file system's listing order.
+    return sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix())
+
+
+def _seed_texts(files: Iterable[Path], limit_bytes: int) -> Iterator[str]:
+    left = limit_bytes
+    for path in files:
+        if left <= 0:
+            return
+        try:
+            data = path.read_bytes()
+            data.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue  # the stdlib's tests include deliberately mis-encoded files
+        if len(data) > left:
+            # Cut at a line end so no multi-byte character is split.
+            data = data[:left]
+            data = data[:data.rfind(b"\n") + 1]
+        left -= len(data)
+        if data:
+            yield data.decode("utf-8")
+
+
+# -- tiny model --------------------------------------------------------------
+
+def build_tiny_model(out_dir: Path, *, seed: int = 0, hidden_size: int = 64, layers: int = 2, heads: int = 4,
+                     kv_heads: int = 2, intermediate_size: int = 128,
+                     max_position_embeddings: int = 4096) -> Path:
+    """Build a small random Qwen2 and its tokenizer into ``out_dir``; returns ``out_dir``.
+
+    The same arguments give identical weights. Loads with ``load_model(out_dir)``.
+    """
+    if hidden_size % heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of heads ({heads})")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(out_dir)
+    tokenizer.model_max_length = max_position_embeddings
+    tokenizer.save_pretrained(out_dir)
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos  # as Qwen2.5's config does
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    # fork_rng: seeding must not change the caller's global random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / MODEL_MARKER).write_text(
+        json.dumps({"kind": "tiny", "seed": seed, "created_by": "tabloop model tiny"}, indent=2) + "\n")
+    return out_dir
+
+
+# -- loading -----------------------------------------------------------------
+
+def load_model(spec: str, *, device: str = "cpu", dtype: str | None = None,
+               local_files_only: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer) from a local directory or a hub id; the model is in eval mode on ``device``.
+
+    ``dtype`` is a torch dtype name ("bfloat16", "float16", "float32"); by
+    default bfloat16 on CUDA and float32 elsewhere.
+    """
+    torch_dtype = _resolve_dtype(dtype, device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} was asked for, but CUDA is not available here; use device 'cpu'")
+
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not a model directory: it has no config.json "
+                                 f"(expected config.json, the weights and the tokenizer files); "
+                                 f"{_HOW_TO_POINT_AT_A_MODEL}")
+        # A directory is never looked up on the hub.
+        source, local_only = str(path), True
+    elif path.exists():
+        raise ModelLoadError(f"model {spec!r} is a file, not a directory; {_HOW_TO_POINT_AT_A_MODEL}")
+    elif spec.startswith(("/", "./", "../", "~")):
+        # Looks like a path, not a hub id: saying "not on the hub" would mislead.
+        raise ModelLoadError(f"model directory {spec} does not exist; {_HOW_TO_POINT_AT_A_MODEL}")
+    else:
+        source, local_only = spec, local_files_only
+
+    try:
+        # The config once, first: it is the smallest file, and an unreachable
+        # hub costs one round of the hub client's retries (about 25 s) instead
+        # of one per from_pretrained call.
+        config = AutoConfig.from_pretrained(source, local_files_only=local_only)
+        tokenizer = AutoTokenizer.from_pretrained(source, config=config, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch_dtype,
+                                                     local_files_only=local_only)
+    except _HUB_ERRORS as exc:
+        if path.is_dir():
+            raise ModelLoadError(f"model directory {path} could not be loaded: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"model {spec!r} could not be loaded from the Hugging Face hub or its local "
+                             f"cache ({type(exc).__name__}: {_first_line(exc)}); "
+                             f"{_HOW_TO_POINT_AT_A_MODEL}") from exc
+    model.eval()
+    model.to(device)
+    return model, tokenizer
+
+
+def _resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype must be a torch floating-point dtype name such as bfloat16, float16 "
+                         f"or float32, got {dtype!r}")
+    return resolved
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# -- special tokens ----------------------------------------------------------
+
+def fim_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """The id of each of ``QWEN_SPECIAL_TOKENS`` the tokenizer has; the FIM tokens must all be there."""
+    vocab: dict[str, Any] = tokenizer.get_vocab()
+    missing = [tok for tok in FIM_TOKENS.values() if tok not in vocab]
+    if missing:
+        raise ModelLoadError(f"the tokenizer ({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '')!r}) "
+                             f"lacks the fill-in-the-middle token(s) {', '.join(missing)}: "
+                             f"tabloop needs a model trained for FIM, such as Qwen2.5-Coder")
+    return {tok: int(vocab[tok]) for tok in QWEN_SPECIAL_TOKENS if tok in vocab}
+
+
+def resolve_model_spec(settings) -> str:
+    """What ``TABLOOP_MODEL`` means: a path or hub id as given; ``demo`` → the model built here.
+
+    Until the pretrained demo model exists (``tabloop model demo``), ``demo``
+    serves the tiny random model, built once (seconds) under the state dir.
+    """
+    if settings.model != "demo":
+        return settings.model
+    out = (settings.state_dir / "models" / "demo").resolve()
+    if not (out / MODEL_MARKER).exists():
+        build_tiny_model(out)
+    return str(out)
