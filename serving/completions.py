@@ -196,8 +196,9 @@ class CompletionRun:
 
     async def sse_payloads(self) -> AsyncIterator[bytes]:
         """The streaming response: one chunk per safe piece of text, the last with the finish reason."""
+        wants_tokens = self.params.logprobs is not None or self.params.return_token_ids
         async for text, steps in self.pieces():
-            if text or steps:
+            if text or (steps and wants_tokens):
                 yield json.dumps(self.chunk(text, steps, None)).encode()
         yield json.dumps(self.chunk("", [], self.finish_reason)).encode()
 

@@ -21,8 +21,12 @@ def make_engine(settings: Settings) -> Engine:
         from serving.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(settings)
+    from transformers.utils import logging as hf_logging
+
     from serving.engines.transformers_engine import TransformersEngine
     from trainer.models import resolve_model_spec
+
+    hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
 
     device = settings.device
     if device == "auto":

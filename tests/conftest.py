@@ -26,3 +26,10 @@ def kafka(tmp_path_factory) -> LocalKafka:
 @pytest.fixture
 def kafka_settings(kafka) -> Settings:
     return kafka.settings
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from trainer.models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0))

@@ -183,7 +183,8 @@ class TransformersEngine(Engine):
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1, :]
+        cache_arg = _cache_argument(model)
+        past, logits = _cache_of(out), out.logits[:, -1, :]
         generators = []
         for slot in batch:
             g = None
@@ -222,8 +223,8 @@ class TransformersEngine(Engine):
             mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=mask.dtype, device=device)], dim=1)
             last_pos = last_pos + 1
             out = model(input_ids=torch.tensor(next_ids, device=device)[:, None], attention_mask=mask,
-                        position_ids=last_pos[:, None], past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1, :]
+                        position_ids=last_pos[:, None], use_cache=True, **{cache_arg: past})
+            past, logits = _cache_of(out), out.logits[:, -1, :]
 
     def _new_text(self, slot: _Slot, finish: str | None) -> str:
         """The text the newest token adds (held back while it ends inside a multi-byte character)."""
@@ -235,3 +236,15 @@ class TransformersEngine(Engine):
         return new
 
 
+
+
+def _cache_argument(model) -> str:
+    """transformers 5 calls the KV cache ``cache``; 4.x called it ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(output):
+    cache = output.get("cache")
+    return cache if cache is not None else output.get("past_key_values")
