@@ -99,16 +99,18 @@ class FrontDoor:
         caller = self.authenticate(request)
         params = parse_completion_request(await read_json(request, self.settings.max_body_bytes), self.settings)
         run = CompletionRun(params, self.engine, self.settings, caller.project_id, caller.user_id, self.replica_id)
-        headers = {"X-Tabloop-Completion-Id": run.completion_id}
+
+        def headers() -> dict[str, str]:
+            # Known once the first token exists: a request runs start to end on one version.
+            version = run.policy_version if run.policy_version is not None else self.engine.policy_version
+            return {"X-Tabloop-Completion-Id": run.completion_id, "X-Tabloop-Policy-Version": str(version)}
+
         if not params.stream:
             try:
                 body = await run.complete()
             finally:
                 self._record(run)
-            headers["X-Tabloop-Policy-Version"] = str(run.policy_version)
-            return JSONResponse(body, headers=headers)
-        # Streaming: the version is known before the first token (a request runs on one version).
-        headers["X-Tabloop-Policy-Version"] = str(self.engine.policy_version)
+            return JSONResponse(body, headers=headers())
 
         async def payloads():
             try:

@@ -68,43 +68,47 @@ class SSEResponse:
     Unlike a plain streaming response it notices the client going away while
     the iterator is waiting, and closes the iterator at once, so generation
     stops and the iterator's cleanup (recording an aborted completion) runs
-    deterministically. It never sends ``:`` comments: Continue ends the stream
-    at a ``: ping`` line.
+    deterministically. The headers are computed after the first payload
+    exists, so they can say what produced it (the policy version). It never
+    sends ``:`` comments: Continue ends the stream at a ``: ping`` line.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, payloads, headers: dict[str, str] | None = None):
+    def __init__(self, payloads, headers=None):
         self.payloads = payloads
-        self.headers = headers or {}
+        self.headers = headers if callable(headers) else (lambda: headers or {})
 
     async def __call__(self, scope, receive, send) -> None:
         import anyio
 
-        raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                       (b"x-accel-buffering", b"no")]
-        raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
-        await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
-        disconnected = False
+        async def send_start() -> None:
+            raw = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+            raw += [(k.lower().encode(), v.encode()) for k, v in self.headers().items()]
+            await send({"type": "http.response.start", "status": 200, "headers": raw})
+
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
-                nonlocal disconnected
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        disconnected = True
-                        tg.cancel_scope.cancel()
-                        return
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
 
             tg.start_soon(watch)
+            started = False
             try:
                 async for payload in self.payloads:
+                    if not started:
+                        await send_start()
+                        started = True
                     await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n",
                                 "more_body": True})
+                if not started:
+                    await send_start()
                 await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             except OSError:  # the socket went away mid-send
-                disconnected = True
+                pass
             finally:
                 # Close the generator here, inside our task (cancelled or not), so its cleanup runs now.
                 with anyio.CancelScope(shield=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 
 import httpx
 import openai
@@ -243,3 +244,34 @@ def test_health_ready_metrics(served):
     assert count and float(count[0].split()[-1]) >= 1
     assert "tabloop_spool_depth 0.0" in metrics and "tabloop_policy_version 0.0" in metrics
     assert "tabloop_completion_ttft_seconds_bucket" in metrics
+
+
+def test_kafka_outage_loses_nothing_acknowledged(served, kafka):
+    """Kafka stops: completions are still served, feedback still gets 202; after it returns every
+    acknowledged event is on its topic exactly once."""
+    headers = continue_headers(served.keys["alice"])
+    kafka.stop()
+    try:
+        acked, completion_ids = [], []
+        for i in range(20):
+            resp = httpx.post(f"{served.feedback_url}/v1/feedback", headers=headers, timeout=30,
+                              json={"completion_id": f"cmpl-outage-{i}", "accepted": i % 2 == 0})
+            assert resp.status_code == 202, resp.text
+            acked.append(resp.json()["event_id"])
+            c = httpx.post(f"{served.completions_url}/v1/completions", headers=headers, timeout=30,
+                           json={"prompt": f"x{i} = ", "max_tokens": 3})
+            assert c.status_code == 200
+            completion_ids.append(c.json()["id"])
+        assert served.server.publisher.depth() > 0
+    finally:
+        kafka.start()
+    feedback = find_events(served.settings, FEEDBACK.name, lambda e: e.event_id in set(acked), want=len(acked),
+                           timeout_s=60)
+    assert sorted(e.event_id for e in feedback) == sorted(acked)  # all there, none twice
+    completions = find_events(served.settings, COMPLETIONS.name,
+                              lambda e: e.record["completion_id"] in set(completion_ids), want=20, timeout_s=60)
+    assert sorted(e.record["completion_id"] for e in completions) == sorted(completion_ids)
+    deadline = time.monotonic() + 30
+    while served.server.publisher.depth() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert served.server.publisher.depth() == 0 and served.server.publisher.kafka_ok()
