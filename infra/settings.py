@@ -46,6 +46,7 @@ class Settings(BaseModel):
     feedback_port: int = Field(8082, ge=0, le=65535, description="port of the feedback routes (0: any free port)")
     engine: Literal["transformers", "vllm"] = Field("transformers", description="transformers (in-process) or vllm")
     vllm_urls: str = Field("", description="comma-separated base URLs of vLLM OpenAI servers (engine=vllm)")
+    vllm_api_key: str = Field("", description="Bearer key for the vLLM servers, if they want one")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (transformers engine)")
     max_batch: int = Field(8, ge=1, le=256, description="requests decoded together (transformers engine)")
     max_new_tokens: int = Field(256, ge=1, le=8192, description="server-side cap on max_tokens")

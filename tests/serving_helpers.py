@@ -50,3 +50,46 @@ def find_events(settings, topic: str, predicate, want: int = 1, timeout_s: float
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+class ProcessServer:
+    """`tabloop serve` as its own process, configured through TABLOOP_* variables like a user would."""
+
+    def __init__(self, settings, **env_overrides):
+        import os
+        import subprocess
+        import sys
+
+        from infra.kafka_broker import free_port
+
+        self.ports = (free_port(), free_port())
+        env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
+               "TABLOOP_STATE_DIR": str(settings.state_dir), "TABLOOP_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+               "TABLOOP_MODEL": settings.model, "TABLOOP_COMPLETIONS_PORT": str(self.ports[0]),
+               "TABLOOP_FEEDBACK_PORT": str(self.ports[1]), **env_overrides}
+        self.completions_url = f"http://127.0.0.1:{self.ports[0]}"
+        self.feedback_url = f"http://127.0.0.1:{self.ports[1]}"
+        self.log = open(settings.state_dir / "serve.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve"], env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tabloop serve exited: {(settings.state_dir / 'serve.log').read_text()}")
+            try:
+                if httpx.get(f"{self.completions_url}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("tabloop serve did not become ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except Exception:
+                self.proc.kill()
+        self.log.close()

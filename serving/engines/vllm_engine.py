@@ -27,7 +27,7 @@ UNHEALTHY_FOR_S = 5.0
 class VLLMEngine(Engine):
     name = "vllm"
 
-    def __init__(self, settings: Settings, *, api_key: str | None = None):
+    def __init__(self, settings: Settings):
         from transformers import AutoTokenizer
 
         from trainer.models import resolve_model_spec
@@ -41,7 +41,7 @@ class VLLMEngine(Engine):
         self._served_name = self.model_name  # the base model; a LoRA adapter's name once one is loaded
         self._down_until = {u: 0.0 for u in urls}
         self._order = itertools.cycle(urls)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = {"Authorization": f"Bearer {settings.vllm_api_key}"} if settings.vllm_api_key else {}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=3.0), headers=headers)
 
     @property
@@ -59,7 +59,9 @@ class VLLMEngine(Engine):
         return healthy or ordered  # all marked down: try them anyway rather than fail outright
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
-        body = {"model": self._served_name, "prompt": request.prompt_ids, "max_tokens": request.max_new_tokens,
+        # Text, not ids: any OpenAI-compatible server takes it (ours and vLLM tokenize the same way).
+        prompt = request.prompt_text if request.prompt_text is not None else request.prompt_ids
+        body = {"model": self._served_name, "prompt": prompt, "max_tokens": request.max_new_tokens,
                 "temperature": request.temperature, "top_p": request.top_p, "stream": True, "logprobs": 0,
                 "return_token_ids": True, "skip_special_tokens": False}
         if request.seed is not None:
