@@ -112,3 +112,106 @@ def bench_kafka(settings: Settings, n: int = 200_000, partitions: int = 6) -> di
                   "produce_preencoded_per_s": round(n / raw_s), "encode_per_s": round(n / encode_s),
                   "consume_per_s": round(got / consume_s), "consumed": got, "decode_errors": errors,
                   "produce_mb_per_s": round(n * size / produce_s / 1e6, 1)})
+
+
+def _percentiles(values: list[float]) -> dict:
+    import statistics
+
+    if not values:
+        return {}
+    qs = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": round(qs[49], 2), "p95": round(qs[94], 2), "p99": round(qs[98], 2)}
+
+
+def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: int = 12, max_tokens: int = 32,
+                  rounds: int = 2) -> dict:
+    """N concurrent streaming clients against the bare engine and against the front door, in alternating
+    rounds on the same engine; latencies in ms."""
+    import asyncio
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+
+    from serving.engines.base import GenerationRequest
+    from serving.fim import QWEN_STOP_WORDS, build_fim_prompt
+    from serving.server import Server, make_engine
+
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures
+    state = Path(tempfile.mkdtemp(prefix="tabloop-bench-serving-"))
+    settings = settings.model_copy(update={"state_dir": state, "completions_port": 0, "feedback_port": 0,
+                                           "auth": "open", "serve_host": "127.0.0.1", "max_batch": clients})
+    engine = make_engine(settings)
+    prompts = [build_fim_prompt(f"def handler_{i}(request):\n    data = ", "\n    return data\n")
+               for i in range(clients * requests_per_client)]
+    tokenized = [engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+
+    async def bare_one(i: int, samples: dict) -> None:
+        t0 = time.perf_counter()
+        first, text = None, ""
+        req = GenerationRequest(tokenized[i], max_tokens, 1.0, 1.0, seed=i)
+        async for step in engine.stream(req):
+            first = first or time.perf_counter()
+            text += step.text
+            if any(s in text for s in QWEN_STOP_WORDS):  # the front door stops there too
+                break
+        samples["latency"].append((time.perf_counter() - t0) * 1000)
+        samples["ttft"].append((first - t0) * 1000)
+
+    async def door_one(http: httpx.AsyncClient, url: str, i: int, samples: dict) -> None:
+        t0 = time.perf_counter()
+        first = None
+        body = {"prompt": prompts[i], "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True}
+        async with http.stream("POST", url, json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and first is None:
+                    first = time.perf_counter()
+        samples["latency"].append((time.perf_counter() - t0) * 1000)
+        samples["ttft"].append((first - t0) * 1000)
+
+    async def run_clients(one) -> None:
+        async def client(c: int) -> None:
+            for r in range(requests_per_client):
+                await one(c * requests_per_client + r)
+        await asyncio.gather(*(client(c) for c in range(clients)))
+
+    server = Server(settings, engine=engine)
+    loop = asyncio.new_event_loop()
+    import threading
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve()), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.ports[0]}/v1/completions"
+    results = {"engine": {"latency": [], "ttft": []}, "front_door": {"latency": [], "ttft": []}}
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients * 2)) as http:
+            for _ in range(50):  # wait for readiness
+                try:
+                    if (await http.get(url.replace("/v1/completions", "/readyz"))).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+            await run_clients(lambda i: bare_one(i, {"latency": [], "ttft": []}))  # warm-up
+            for r in range(rounds):
+                print(f"  round {r + 1}/{rounds}: engine …", file=sys.stderr)
+                await run_clients(lambda i: bare_one(i, results["engine"]))
+                print(f"  round {r + 1}/{rounds}: front door …", file=sys.stderr)
+                await run_clients(lambda i: door_one(http, url, i, results["front_door"]))
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+        thread.join(30)
+    out = {"bench": "serving", "model": engine.model_name, "clients": clients,
+           "requests": clients * requests_per_client * rounds, "max_tokens": max_tokens}
+    for name, samples in results.items():
+        out[name] = {"latency_ms": _percentiles(samples["latency"]), "ttft_ms": _percentiles(samples["ttft"])}
+    e50, d50 = out["engine"]["latency_ms"]["p50"], out["front_door"]["latency_ms"]["p50"]
+    out["overhead_p50_ratio"] = round(d50 / e50 - 1, 4)
+    out["overhead_p50_ms"] = round(d50 - e50, 2)
+    return _emit(out)

@@ -347,5 +347,19 @@ def bench_kafka(ctx: click.Context, n: int, partitions: int) -> None:
     run(s, n, partitions)
 
 
+@bench.command("serving")
+@click.option("--clients", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--requests", "per_client", type=click.IntRange(min=1), default=12, show_default=True,
+              help="Requests per client per round.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
+@click.pass_context
+def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens: int, rounds: int) -> None:
+    """Streaming latency and TTFT through the front door vs the bare engine (TABLOOP_MODEL; demo = tiny)."""
+    from infra.bench import bench_serving as run
+
+    run(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,6 +16,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -63,12 +64,14 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
 class TransformersEngine(Engine):
     name = "transformers"
 
-    def __init__(self, model_spec: str, *, device: str = "cpu", max_batch: int = 8, policy_version: int = 0):
+    def __init__(self, model_spec: str, *, device: str = "cpu", max_batch: int = 8, batch_window_ms: float = 5.0,
+                 policy_version: int = 0):
         from trainer.models import load_model
 
         self.model_name = model_spec
         self.device = device
         self.max_batch = max_batch
+        self.batch_window_s = batch_window_ms / 1000
         self._base_model, self._tokenizer = load_model(model_spec, device=device)
         self._model = self._base_model
         self.policy_version = policy_version
@@ -140,9 +143,12 @@ class TransformersEngine(Engine):
             if first is _WAKE:
                 continue
             batch = [first]
+            # Requests that arrive within a few ms of each other share a batch: waiting that long
+            # costs less than making a late one wait for the whole batch before it.
+            window_ends = time.monotonic() + self.batch_window_s
             while len(batch) < self.max_batch:
                 try:
-                    more = self._pending.get_nowait()
+                    more = self._pending.get(timeout=max(0.0, window_ends - time.monotonic()))
                 except queue.Empty:
                     break
                 if more is None:
