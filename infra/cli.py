@@ -32,6 +32,7 @@ def main(ctx: click.Context, config_file: str | None) -> None:
     except SettingsError as exc:
         raise TabloopError(f"bad setting: {exc}") from None
     logging.basicConfig(level=ctx.obj.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per HTTP request
 
 
 # -- kafka --------------------------------------------------------------------
@@ -303,15 +304,29 @@ def model_tiny(out_dir: str, seed: int) -> None:
 @main.command()
 @click.pass_context
 def up(ctx: click.Context) -> None:
-    """Start the system on this machine: Kafka, then the topics."""
+    """Start the system on this machine: Kafka, the topics, the front door; print the Continue config."""
+    from infra.local import LocalRunError, continue_config, new_local_key, start_serving
+
     ctx.invoke(kafka_start)
     ctx.invoke(topics_create)
+    s = _settings(ctx)
+    try:
+        pid = start_serving(s)
+    except LocalRunError as exc:
+        raise TabloopError(str(exc)) from None
+    click.echo(f"front door up (pid {pid}): completions http://{s.serve_host}:{s.completions_port}/v1, "
+               f"feedback http://{s.serve_host}:{s.feedback_port}; logs in {s.state_dir / 'serve.log'}")
+    click.echo("")
+    click.echo(continue_config(s, new_local_key(s)))
 
 
 @main.command()
 @click.pass_context
 def down(ctx: click.Context) -> None:
     """Stop what `tabloop up` started."""
+    from infra.local import stop_serving
+
+    click.echo("front door stopped" if stop_serving(_settings(ctx)) else "front door was not running")
     ctx.invoke(kafka_stop)
 
 
