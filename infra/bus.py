@@ -23,6 +23,35 @@ from schemas.topics import CATALOG, Topic
 
 log = logging.getLogger("tabloop.bus")
 EVENT_ID_HEADER = "event_id"
+REPEAT_WINDOW_S = 30.0
+
+
+class _RepeatFilter(logging.Filter):
+    """librdkafka reports every failed reconnect; say each distinct message once per window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import time
+
+        # The message minus its "(after Nms in state X)" tail, which changes every time.
+        text = record.getMessage().split(" (after ")[0]
+        now = time.monotonic()
+        if now - self._last.get(text, -REPEAT_WINDOW_S) < REPEAT_WINDOW_S:
+            return False
+        if len(self._last) > 1000:
+            self._last.clear()
+        self._last[text] = now
+        return True
+
+
+log.addFilter(_RepeatFilter())
+
+
+class KafkaUnavailable(RuntimeError):
+    """No broker answered at the configured bootstrap address."""
 
 
 def make_codec(settings: Settings) -> Codec:
@@ -293,7 +322,10 @@ def read_topic(settings: Settings, topic: str, codec: Codec | None = None, *, fr
     consumer = Consumer({**_client_config(settings), "group.id": "tabloop-reader", "enable.auto.commit": False,
                          "enable.partition.eof": True})
     try:
-        meta = consumer.list_topics(topic, timeout=10)
+        try:
+            meta = consumer.list_topics(topic, timeout=10)
+        except KafkaException as exc:
+            raise KafkaUnavailable(f"Kafka at {settings.kafka_bootstrap} did not answer: {exc.args[0].str()}") from None
         tmeta = meta.topics.get(topic)
         if tmeta is None or tmeta.error is not None:
             raise ValueError(f"topic {topic!r} does not exist on {settings.kafka_bootstrap}")

@@ -157,7 +157,7 @@ def events() -> None:
 @click.pass_context
 def events_dump(ctx: click.Context, topic: str, from_beginning: bool, limit: int | None, follow: bool) -> None:
     """Print decoded events of TOPIC as JSON lines; undecodable ones as error lines."""
-    from infra.bus import read_topic
+    from infra.bus import KafkaUnavailable, read_topic
 
     last = None if from_beginning or limit is None else limit
     try:
@@ -170,7 +170,7 @@ def events_dump(ctx: click.Context, topic: str, from_beginning: bool, limit: int
             else:
                 line.update(error=f"{type(r.error).__name__}: {r.error}", raw=r.value[:256].hex())
             click.echo(json.dumps(line, default=str))
-    except ValueError as exc:
+    except (ValueError, KafkaUnavailable) as exc:
         raise TabloopError(str(exc)) from None
     except KeyboardInterrupt:
         pass

@@ -240,3 +240,13 @@ def test_start_refuses_a_busy_port(tmp_path, kafka, kafka_settings):
     settings = kafka_settings.model_copy(update={"state_dir": tmp_path})
     with pytest.raises(KafkaLaunchError, match="already in use"):
         LocalKafka(settings).start()
+
+
+def test_cli_says_when_kafka_is_not_there(kafka_settings):
+    from infra.kafka_broker import free_port
+
+    nowhere = kafka_settings.model_copy(update={"kafka_bootstrap": f"127.0.0.1:{free_port()}"})
+    proc = _cli(nowhere, "events", "dump", "tabloop.feedback")
+    assert proc.returncode == 1
+    assert "did not answer" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.splitlines()) < 10, "librdkafka's reconnect messages must not flood the terminal"
