@@ -8,15 +8,22 @@ from infra.kafka_broker import LocalKafka, free_port
 from infra.settings import Settings, load_settings
 
 
+TEST_PARTITIONS = 3
+
+
 def make_settings(tmp_path, **overrides) -> Settings:
-    """Settings for a test: nothing from the developer's environment leaks in."""
+    """Settings for a test: nothing from the developer's environment leaks in.
+
+    Every test shares the session's broker, so all agree on the topics' partition count.
+    """
+    overrides.setdefault("topic_partitions", TEST_PARTITIONS)
     return load_settings(environ={}, state_dir=str(tmp_path), **overrides)
 
 
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory) -> LocalKafka:
     state = tmp_path_factory.mktemp("kafka-state")
-    settings = make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}", topic_partitions=3)
+    settings = make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}")
     broker = LocalKafka(settings)
     broker.start()
     yield broker

@@ -29,7 +29,7 @@ CONTINUE_PROMPT = ("<|repo_name|>tabloop\n<|file_sep|>util/strings.py\ndef shout
 @pytest.fixture(scope="module")
 def served(kafka, tiny_model, tmp_path_factory):
     settings = make_settings(tmp_path_factory.mktemp("serve"), kafka_bootstrap=kafka.settings.kafka_bootstrap,
-                             model=tiny_model, completions_port=0, feedback_port=0, topic_partitions=3)
+                             model=tiny_model, completions_port=0, feedback_port=0)
     ensure_topics(settings)
     keys = KeyStore(settings.keys_file)
     server = ThreadServer(settings)

@@ -58,7 +58,7 @@ def test_swap_under_concurrent_load(kafka, tiny_model, tmp_path):
     full_v1 = str(build_tiny_model(tmp_path / "v1", seed=1))
     lora_v2 = make_lora(base, tmp_path / "v2")
     settings = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=base,
-                             completions_port=0, feedback_port=0, topic_partitions=3)
+                             completions_port=0, feedback_port=0)
     ensure_topics(settings)
     key = KeyStore(settings.keys_file).add("acme", "load", rate_per_minute=100_000)
     server = ThreadServer(settings)

@@ -183,13 +183,14 @@ def _seed_texts(files: Iterable[Path], limit_bytes: int) -> Iterator[str]:
 
 # -- tiny model --------------------------------------------------------------
 
-def build_tiny_model(out_dir: Path, *, seed: int = 0, hidden_size: int = 64, layers: int = 2, heads: int = 4,
-                     kv_heads: int = 2, intermediate_size: int = 128,
+def build_tiny_model(out_dir: Path, *, seed: int = 0, hidden_size: int = 64, layers: int = 2, heads: int = 2,
+                     kv_heads: int = 1, intermediate_size: int = 128,
                      max_position_embeddings: int = 4096) -> Path:
     """Build a small random Qwen2 and its tokenizer into ``out_dir``; returns ``out_dir``.
 
     The same arguments give identical weights. Loads with ``load_model(out_dir)``.
     """
+    # Defaults give a head size of 32: vLLM's CPU attention kernels start at 32, so a real vLLM can serve it.
     if hidden_size % heads:
         raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of heads ({heads})")
     if heads % kv_heads:
