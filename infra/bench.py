@@ -125,34 +125,42 @@ def _percentiles(values: list[float]) -> dict:
 
 def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: int = 12, max_tokens: int = 32,
                   rounds: int = 2) -> dict:
-    """N concurrent streaming clients against the bare engine and against the front door, in alternating
-    rounds on the same engine; latencies in ms."""
+    """N concurrent streaming clients against the bare engine (in this process) and against the front door
+    (a `tabloop serve` process on the same model, as a client would see it), in alternating rounds; ms."""
     import asyncio
+    import logging
+    import os
+    import subprocess
     import tempfile
     from pathlib import Path
 
     import httpx
 
+    from infra.kafka_broker import free_port
+    from infra.settings import to_environ
     from serving.engines.base import GenerationRequest
     from serving.fim import QWEN_STOP_WORDS, build_fim_prompt
-    from serving.server import Server, make_engine
-
-    import logging
+    from serving.server import make_engine
+    from trainer.models import resolve_model_spec
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures
     state = Path(tempfile.mkdtemp(prefix="tabloop-bench-serving-"))
-    settings = settings.model_copy(update={"state_dir": state, "completions_port": 0, "feedback_port": 0,
-                                           "auth": "open", "serve_host": "127.0.0.1", "max_batch": clients})
+    settings = settings.model_copy(update={
+        "model": resolve_model_spec(settings), "state_dir": state, "completions_port": free_port(),
+        "feedback_port": free_port(), "auth": "open", "serve_host": "127.0.0.1", "max_batch": clients})
+    log_path = state / "serve.log"
+    server = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve"], stdout=open(log_path, "wb"),
+                              stderr=subprocess.STDOUT, env={**os.environ, **to_environ(settings)})
     engine = make_engine(settings)
     prompts = [build_fim_prompt(f"def handler_{i}(request):\n    data = ", "\n    return data\n")
                for i in range(clients * requests_per_client)]
     tokenized = [engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    url = f"http://127.0.0.1:{settings.completions_port}/v1/completions"
 
     async def bare_one(i: int, samples: dict) -> None:
         t0 = time.perf_counter()
         first, text = None, ""
-        req = GenerationRequest(tokenized[i], max_tokens, 1.0, 1.0, seed=i)
-        async for step in engine.stream(req):
+        async for step in engine.stream(GenerationRequest(tokenized[i], max_tokens, 1.0, 1.0, seed=i)):
             first = first or time.perf_counter()
             text += step.text
             if any(s in text for s in QWEN_STOP_WORDS):  # the front door stops there too
@@ -160,11 +168,12 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
         samples["latency"].append((time.perf_counter() - t0) * 1000)
         samples["ttft"].append((first - t0) * 1000)
 
-    async def door_one(http: httpx.AsyncClient, url: str, i: int, samples: dict) -> None:
+    async def door_one(http: httpx.AsyncClient, i: int, samples: dict) -> None:
         t0 = time.perf_counter()
         first = None
         body = {"prompt": prompts[i], "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True}
         async with http.stream("POST", url, json=body) as resp:
+            resp.raise_for_status()
             async for line in resp.aiter_lines():
                 if line.startswith("data: ") and first is None:
                     first = time.perf_counter()
@@ -177,37 +186,37 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
                 await one(c * requests_per_client + r)
         await asyncio.gather(*(client(c) for c in range(clients)))
 
-    server = Server(settings, engine=engine)
-    loop = asyncio.new_event_loop()
-    import threading
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve()), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.ports[0]}/v1/completions"
     results = {"engine": {"latency": [], "ttft": []}, "front_door": {"latency": [], "ttft": []}}
+    scratch = {"latency": [], "ttft": []}
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients * 2)) as http:
-            for _ in range(50):  # wait for readiness
+            deadline = time.monotonic() + 300
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"tabloop serve exited: {log_path.read_text()[-2000:]}")
                 try:
                     if (await http.get(url.replace("/v1/completions", "/readyz"))).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
-                await asyncio.sleep(0.1)
-            await run_clients(lambda i: bare_one(i, {"latency": [], "ttft": []}))  # warm-up
+                if time.monotonic() > deadline:
+                    raise RuntimeError("tabloop serve did not become ready")
+                await asyncio.sleep(0.2)
+            await run_clients(lambda i: bare_one(i, scratch))  # warm-up, both sides
+            await run_clients(lambda i: door_one(http, i, scratch))
             for r in range(rounds):
                 print(f"  round {r + 1}/{rounds}: engine …", file=sys.stderr)
                 await run_clients(lambda i: bare_one(i, results["engine"]))
                 print(f"  round {r + 1}/{rounds}: front door …", file=sys.stderr)
-                await run_clients(lambda i: door_one(http, url, i, results["front_door"]))
+                await run_clients(lambda i: door_one(http, i, results["front_door"]))
 
     try:
         asyncio.run(main())
     finally:
-        server.stop()
-        thread.join(30)
-    out = {"bench": "serving", "model": engine.model_name, "clients": clients,
+        server.terminate()
+        server.wait(30)
+    out = {"bench": "serving", "model": engine.model_name, "engine_kind": engine.name, "clients": clients,
            "requests": clients * requests_per_client * rounds, "max_tokens": max_tokens}
     for name, samples in results.items():
         out[name] = {"latency_ms": _percentiles(samples["latency"]), "ttft_ms": _percentiles(samples["ttft"])}

@@ -123,6 +123,16 @@ def env_var(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+def to_environ(settings: Settings) -> dict[str, str]:
+    """The TABLOOP_* variables that reproduce ``settings`` in a child process."""
+    out = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        out[env_var(name)] = str(value)
+    return out
+
+
 def load_settings(environ: Mapping[str, str] | None = None, config_file: Path | None = None,
                   **overrides: Any) -> Settings:
     """Settings from the environment (``os.environ`` by default), a YAML file and overrides."""
