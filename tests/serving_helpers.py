@@ -63,10 +63,11 @@ class ProcessServer:
         from infra.kafka_broker import free_port
 
         self.ports = (free_port(), free_port())
-        env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
-               "TABLOOP_STATE_DIR": str(settings.state_dir), "TABLOOP_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-               "TABLOOP_MODEL": settings.model, "TABLOOP_COMPLETIONS_PORT": str(self.ports[0]),
-               "TABLOOP_FEEDBACK_PORT": str(self.ports[1]), **env_overrides}
+        from infra.settings import to_environ
+
+        settings = settings.model_copy(update={"completions_port": self.ports[0], "feedback_port": self.ports[1]})
+        env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **to_environ(settings),
+               **env_overrides}
         self.completions_url = f"http://127.0.0.1:{self.ports[0]}"
         self.feedback_url = f"http://127.0.0.1:{self.ports[1]}"
         self.log = open(settings.state_dir / "serve.log", "wb")

@@ -275,3 +275,28 @@ def test_kafka_outage_loses_nothing_acknowledged(served, kafka):
     while served.server.publisher.depth() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert served.server.publisher.depth() == 0 and served.server.publisher.kafka_ok()
+
+
+def test_server_side_caps_and_exploration_temperature(kafka, tiny_model, tmp_path):
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
+                             completions_port=0, feedback_port=0, auth="open", max_prompt_tokens=40,
+                             max_new_tokens=5, exploration_temperature=0.0)
+    ensure_topics(settings)
+    server = ThreadServer(settings)
+    try:
+        long_prefix = "".join(f"value_{i} = compute({i})\n" for i in range(60))
+        prompt = f"<|fim_prefix|>{long_prefix}<|fim_suffix|>\nprint(done)\n<|fim_middle|>"
+        resp = httpx.post(f"{server.completions_url}/v1/completions", timeout=30,
+                          json={"prompt": prompt, "max_tokens": 500, "temperature": 0.9})
+        assert resp.status_code == 200
+        [event] = find_events(settings, COMPLETIONS.name, lambda e: e.record["completion_id"] == resp.json()["id"])
+        r = event.record
+        assert r["temperature"] == 0.0 and r["max_tokens"] == 5 and len(r["completion_token_ids"]) <= 5
+        seen = r["prompt"]
+        assert len(server.server.engine.tokenizer.encode(seen, add_special_tokens=False)) <= 40
+        # The top of the prefix went; the FIM tokens, the end of the prefix and the suffix stayed.
+        assert seen.startswith("<|fim_prefix|>") and seen.endswith("<|fim_suffix|>\nprint(done)\n<|fim_middle|>")
+        assert "value_59 = compute(59)\n" in seen and "value_0 = " not in seen
+        assert r["prompt_sha256"] == hashlib.sha256(prompt.encode()).hexdigest()  # the client's prompt
+    finally:
+        server.stop()
