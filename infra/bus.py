@@ -158,7 +158,7 @@ class EventProducer:
                      what: str = "message", on_delivery: DeliveryCallback | None = None,
                      headers: list[tuple[str, bytes]] | None = None) -> None:
         """Send bytes the codec already made (relaying events without decoding them)."""
-        report = None
+        options: dict = {"key": key, "timestamp": timestamp_ms, "headers": headers}
         if on_delivery is not None:
             def report(err, msg):
                 if err is not None:
@@ -166,13 +166,10 @@ class EventProducer:
                 else:
                     on_delivery(None, Delivered(msg.topic(), msg.partition(), msg.offset()))
 
+            options["on_delivery"] = report
         while True:
             try:
-                if report is None:
-                    self._producer.produce(topic, value, key=key, timestamp=timestamp_ms, headers=headers)
-                else:
-                    self._producer.produce(topic, value, key=key, timestamp=timestamp_ms, headers=headers,
-                                           on_delivery=report)
+                self._producer.produce(topic, value, **options)
                 return
             except BufferError:  # local queue full: wait for deliveries (back-pressure)
                 self._producer.poll(0.05)

@@ -33,6 +33,21 @@ def serving_pid(settings: Settings) -> int | None:
         return None
 
 
+def wait_ready(url: str, timeout_s: float, process: subprocess.Popen | None = None) -> bool:
+    """Poll ``url`` (a /readyz) until it answers 200; False on timeout or when ``process`` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            return False
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def start_serving(settings: Settings) -> int:
     """Start `tabloop serve` in the background (logs under the state dir); return once it is ready."""
     pid = serving_pid(settings)
@@ -45,18 +60,12 @@ def start_serving(settings: Settings) -> int:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     _pid_file(settings).write_text(f"{proc.pid}\n")
     url = f"http://{settings.serve_host}:{settings.completions_port}/readyz"
-    deadline = time.monotonic() + SERVE_READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            _pid_file(settings).unlink(missing_ok=True)
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-            raise LocalRunError(f"tabloop serve exited with code {proc.returncode}:\n{tail}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return proc.pid
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_ready(url, SERVE_READY_TIMEOUT_S, proc):
+        return proc.pid
+    if proc.poll() is not None:
+        _pid_file(settings).unlink(missing_ok=True)
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+        raise LocalRunError(f"tabloop serve exited with code {proc.returncode}:\n{tail}")
     raise LocalRunError(f"tabloop serve was not ready within {SERVE_READY_TIMEOUT_S:.0f}s; see {log_path}")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
@@ -19,7 +18,7 @@ from starlette.routing import Route
 
 from infra.settings import Settings
 from serving import feedback
-from serving.auth import KeyStore, RateLimiter
+from serving.auth import KeyStore, Principal, RateLimiter
 from serving.completions import CompletionRun, parse_completion_request
 from serving.engines.base import Engine
 from serving.http import HTTPProblem, SSEResponse, read_json
@@ -27,14 +26,6 @@ from serving.publisher import EventPublisher
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-
-
-@dataclass(frozen=True)
-class Caller:
-    key_id: str
-    project_id: str
-    user_id: str
-    rate_per_minute: int | None = None
 
 
 class Metrics:
@@ -71,19 +62,18 @@ class FrontDoor:
 
     # -- auth -----------------------------------------------------------------------
 
-    def authenticate(self, request: Request) -> Caller:
+    def authenticate(self, request: Request) -> Principal:
         claimed = request.headers.get("x-project-id")
         if self.settings.auth == "open":
-            caller = Caller("open", claimed or "local", request.headers.get("x-user-id") or "local")
+            caller = Principal("open", claimed or "local", request.headers.get("x-user-id") or "local", None)
         else:
             presented = _presented_key(request)
             if not presented:
                 raise HTTPProblem(401, "an API key is required: Authorization: Bearer <key>",
                                   kind="authentication_error")
-            principal = self.keys.verify(presented)
-            if principal is None:
+            caller = self.keys.verify(presented)
+            if caller is None:
                 raise HTTPProblem(401, "unknown or revoked API key", kind="authentication_error")
-            caller = Caller(principal.key_id, principal.project_id, principal.user_id, principal.rate_per_minute)
             if claimed is not None and claimed != caller.project_id:
                 raise HTTPProblem(403, f"this key belongs to project {caller.project_id!r}, not {claimed!r}",
                                   kind="permission_error")

@@ -7,9 +7,9 @@ import threading
 import time
 import uuid
 
-import httpx
 
 from infra.bus import read_topic
+from infra.local import wait_ready
 
 
 class ThreadServer:
@@ -23,15 +23,8 @@ class ThreadServer:
         self.feedback_url = f"http://127.0.0.1:{self.server.ports[1]}"
         self._thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.completions_url}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("the server did not become ready")
+        if not wait_ready(f"{self.completions_url}/readyz", 60):
+            raise RuntimeError("the server did not become ready")
 
     def stop(self) -> None:
         self.server.stop()
@@ -73,18 +66,9 @@ class ProcessServer:
         self.log = open(settings.state_dir / "serve.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve"], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tabloop serve exited: {(settings.state_dir / 'serve.log').read_text()}")
-            try:
-                if httpx.get(f"{self.completions_url}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("tabloop serve did not become ready")
+        if not wait_ready(f"{self.completions_url}/readyz", 120, self.proc):
+            self.stop()
+            raise RuntimeError(f"tabloop serve not ready: {(settings.state_dir / 'serve.log').read_text()[-2000:]}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -90,7 +90,7 @@ def test_tokenizer_is_deterministic_and_follows_its_sources(tmp_path):
     (src / "a.py").write_text("def alpha_beta_gamma(x):\n    return x\n" * 200)
     (src / "b.py").write_text("class Delta:\n    pass\n" * 200)
     one = build_tokenizer(tmp_path / "one", vocab_size=400, sources=[src])
-    two = build_tokenizer(tmp_path / "two", vocab_size=400, sources=[src])
+    build_tokenizer(tmp_path / "two", vocab_size=400, sources=[src])
     assert (tmp_path / "one" / "tokenizer.json").read_bytes() == (tmp_path / "two" / "tokenizer.json").read_bytes()
     # Qwen's split gives "def", " alpha", "_beta", "_gamma": each learnt whole from a.py…
     assert len(one.encode("def alpha_beta_gamma", add_special_tokens=False)) == 4

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import queue
 import threading
@@ -189,7 +190,7 @@ class TransformersEngine(Engine):
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache_arg = _cache_argument(model)
+        cache_arg = _cache_argument(type(model))
         past, logits = _cache_of(out), out.logits[:, -1, :]
         generators = []
         for slot in batch:
@@ -244,11 +245,12 @@ class TransformersEngine(Engine):
 
 
 
-def _cache_argument(model) -> str:
+@functools.cache
+def _cache_argument(model_class) -> str:
     """transformers 5 calls the KV cache ``cache``; 4.x called it ``past_key_values``."""
     import inspect
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _cache_of(output):
