@@ -1,0 +1,278 @@
+"""Joining served completions with feedback into episodes: the pure logic, no Kafka, no Faust.
+
+Two stages, each keyed the way its input is partitioned (DESIGN → Joining without a shared id):
+
+- ``PromptMatcher`` (by prompt hash): Continue never sends our completion id back, so
+  feedback without it is matched to the latest completion served to the same
+  (project, user, prompt) within the match window whose text starts with the
+  text the IDE reported (Continue trims what it shows). Feedback that arrives
+  before its completion waits for it until the stream time passes its time
+  plus the allowed lateness.
+- ``EpisodeJoiner`` (by completion id): one episode per completion, from the first
+  decision on it; later feedback on the same completion is a duplicate. A
+  completion with no feedback within its TTL closes as IGNORED.
+
+Time is event time ("stream time" = the newest event time seen), so the same
+input, in any order within the lateness, gives the same episodes — replays too.
+Episode ids are derived from what they join, so a re-run produces the same ids.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from schemas.events import Event, new_event
+from streams.rewards import RewardSpecs, acceptance_reward, composite_reward
+
+EPISODE_NAMESPACE = uuid.UUID("6f1c2a9e-5b7d-4d8e-9c3a-2b1f0e4d7a6c")
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    match_window_ms: int = 10 * 60_000
+    """How far back feedback without our id may look for its completion."""
+    max_lateness_ms: int = 60_000
+    """How long (in stream time) feedback waits for a completion that hasn't arrived yet."""
+    completion_ttl_ms: int = 30 * 60_000
+    """A completion with no feedback this long after it was served is IGNORED."""
+    emit_ignored: bool = False
+    """Episodes for IGNORED completions (reward ``ignored``), or none (the default, as Cursor)."""
+    keep_unmatched: bool = True
+    """Unmatched and cache-hit feedback become off-policy episodes (matched=false), or are dropped."""
+
+
+def millis(t) -> int:
+    return int(t.timestamp() * 1000) if isinstance(t, datetime) else int(t)
+
+
+def _feedback_identity(fb: dict) -> str:
+    # The IDE's own id when it has one: Continue may report one decision more than once.
+    return f"{fb['project_id']}/{fb['client_completion_id']}" if fb.get("client_completion_id") else fb["event_id"]
+
+
+@dataclass
+class PromptMatcher:
+    config: JoinConfig = field(default_factory=JoinConfig)
+    candidates: dict[tuple, list[dict]] = field(default_factory=dict)
+    waiting: dict[tuple, list[dict]] = field(default_factory=dict)
+    stream_time: int = 0
+
+    @staticmethod
+    def key(record: dict) -> tuple:
+        return (record["project_id"], record["user_id"], record["prompt_sha256"])
+
+    def on_completion(self, completion: dict) -> list[tuple[str, dict]]:
+        """Remember a completion; return (completion_id, feedback) pairs for feedback that waited for it."""
+        self.stream_time = max(self.stream_time, millis(completion["served_at"]))
+        k = self.key(completion)
+        self.candidates.setdefault(k, []).append(
+            {"completion_id": completion["completion_id"], "served_at": millis(completion["served_at"]),
+             "text": completion["completion_text"]})
+        resolved, still = [], []
+        for fb in self.waiting.pop(k, []):
+            match = self._match(k, fb)
+            (resolved.append((match, fb)) if match else still.append(fb))
+        if still:
+            self.waiting[k] = still
+        return resolved
+
+    def on_feedback(self, fb: dict) -> str | None:
+        """The completion id this feedback is about, or None (it waits; ``expire`` gives it up later)."""
+        self.stream_time = max(self.stream_time, millis(fb["received_at"]))
+        k = self.key(fb)
+        match = self._match(k, fb)
+        if match is None:
+            self.waiting.setdefault(k, []).append(fb)
+        return match
+
+    def _match(self, k: tuple, fb: dict) -> str | None:
+        at = millis(fb["received_at"])
+        shown = fb.get("completion")
+        best = None
+        for c in self.candidates.get(k, ()):
+            if not at - self.config.match_window_ms <= c["served_at"] <= at:
+                continue
+            if shown is not None and not c["text"].startswith(shown):
+                continue
+            if best is None or c["served_at"] >= best["served_at"]:
+                best = c
+        return best["completion_id"] if best else None
+
+    def expire(self) -> list[dict]:
+        """Feedback whose wait is over (unmatched); forgets candidates older than the window."""
+        gone = []
+        for k in list(self.waiting):
+            keep = []
+            for fb in self.waiting[k]:
+                (gone if millis(fb["received_at"]) + self.config.max_lateness_ms <= self.stream_time
+                 else keep).append(fb)
+            if keep:
+                self.waiting[k] = keep
+            else:
+                del self.waiting[k]
+        horizon = self.stream_time - self.config.match_window_ms - self.config.max_lateness_ms
+        for k in list(self.candidates):
+            fresh = [c for c in self.candidates[k] if c["served_at"] >= horizon]
+            if fresh:
+                self.candidates[k] = fresh
+            else:
+                del self.candidates[k]
+        return gone
+
+
+@dataclass
+class EpisodeJoiner:
+    specs: RewardSpecs = field(default_factory=RewardSpecs)
+    config: JoinConfig = field(default_factory=JoinConfig)
+    open: dict[str, dict] = field(default_factory=dict)
+    closed: dict[str, int] = field(default_factory=dict)
+    """completion id -> served_at of completions that already have their episode."""
+    early: dict[str, list[dict]] = field(default_factory=dict)
+    """Feedback carrying our id that arrived before its completion."""
+    seen_feedback: dict[str, int] = field(default_factory=dict)
+    stream_time: int = 0
+    counts: Counter = field(default_factory=Counter)
+
+    def on_completion(self, completion: dict) -> list[Event]:
+        cid = completion["completion_id"]
+        self.stream_time = max(self.stream_time, millis(completion["served_at"]))
+        if cid in self.open or cid in self.closed:
+            self.counts["duplicate_completions"] += 1
+            return []
+        self.open[cid] = completion
+        waiting = self.early.pop(cid, [])
+        if not waiting:
+            return []
+        self.counts["early_feedback"] += 1
+        out = [ep for fb in waiting if (ep := self.on_feedback(cid, fb)) is not None]
+        return out
+
+    def on_feedback(self, completion_id: str, fb: dict) -> Event | None:
+        """The episode for this decision, or None (duplicate, or waiting for its completion)."""
+        self.stream_time = max(self.stream_time, millis(fb["received_at"]))
+        identity = _feedback_identity(fb)
+        if completion_id in self.closed or identity in self.seen_feedback:
+            self.counts["duplicate_feedback"] += 1
+            return None
+        completion = self.open.get(completion_id)
+        if completion is None:
+            self.early.setdefault(completion_id, []).append(fb)
+            return None
+        self.seen_feedback[identity] = millis(fb["received_at"])
+        del self.open[completion_id]
+        self.closed[completion_id] = millis(completion["served_at"])
+        self.counts["episodes"] += 1
+        return self.episode(completion, fb)
+
+    def unmatched(self, fb: dict, why: str) -> Event | None:
+        """Feedback that matches no completion we served (or never reached us: a cache hit)."""
+        identity = _feedback_identity(fb)
+        if identity in self.seen_feedback:
+            self.counts["duplicate_feedback"] += 1
+            return None
+        self.seen_feedback[identity] = millis(fb["received_at"])
+        self.counts[why] += 1
+        if not self.config.keep_unmatched:
+            return None
+        self.counts["episodes"] += 1
+        return self.episode(None, fb)
+
+    def expire(self) -> list[Event]:
+        """IGNORED completions past their TTL; early feedback whose completion never came; old memory."""
+        out = []
+        ttl = self.config.completion_ttl_ms
+        for cid in [c for c, comp in self.open.items() if millis(comp["served_at"]) + ttl <= self.stream_time]:
+            completion = self.open.pop(cid)
+            self.closed[cid] = millis(completion["served_at"])
+            self.counts["ignored"] += 1
+            if self.config.emit_ignored:
+                self.counts["episodes"] += 1
+                out.append(self.episode(completion, None))
+        for cid in list(self.early):
+            late = [fb for fb in self.early[cid]
+                    if millis(fb["received_at"]) + self.config.max_lateness_ms <= self.stream_time]
+            if len(late) == len(self.early[cid]):
+                del self.early[cid]
+            else:
+                self.early[cid] = [fb for fb in self.early[cid] if fb not in late]
+            out.extend(ep for fb in late if (ep := self.unmatched(fb, "unmatched")) is not None)
+        horizon = self.stream_time - 2 * ttl
+        self.closed = {c: t for c, t in self.closed.items() if t >= horizon}
+        self.seen_feedback = {f: t for f, t in self.seen_feedback.items() if t >= horizon}
+        return out
+
+    def episode(self, completion: dict | None, fb: dict | None) -> Event:
+        """One Episode event; ``fb`` None = IGNORED, ``completion`` None = off-policy (unmatched)."""
+        source = completion or fb
+        spec = self.specs.for_project(source["project_id"])
+        outcome = fb["outcome"] if fb else "IGNORED"
+        text = completion["completion_text"] if completion else (fb.get("completion") or "")
+        fraction = None
+        if outcome == "PARTIAL" and fb.get("accepted_chars") is not None and text:
+            fraction = fb["accepted_chars"] / len(text)
+        components = {"acceptance": acceptance_reward(spec, outcome, fraction)}
+        tokens = completion["completion_token_ids"] if completion else []
+        completion_id = completion["completion_id"] if completion else f"unmatched-{fb['event_id']}"
+        times = [millis(x) for x in ((completion or {}).get("served_at"), (fb or {}).get("received_at")) if x]
+        return new_event(
+            "Episode",
+            event_id=str(uuid.uuid5(EPISODE_NAMESPACE, f"{completion_id}/{fb['event_id'] if fb else 'ignored'}")),
+            joined_at=datetime.fromtimestamp(max(times) / 1000, timezone.utc),
+            completion_id=completion_id, project_id=source["project_id"], user_id=source["user_id"],
+            policy_version=completion["policy_version"] if completion else None,
+            prompt=(completion or {}).get("prompt") or (fb or {}).get("prompt") or "",
+            completion_text=text, completion_token_ids=list(tokens),
+            behaviour_logprobs=list(completion["completion_logprobs"]) if completion else [],
+            outcome=outcome, reward=composite_reward(spec, components, len(tokens)),
+            reward_components=components, scorer="acceptance", matched=completion is not None,
+            feedback_event_id=fb["event_id"] if fb else None,
+        )
+
+
+@dataclass
+class JoinPipeline:
+    """Both stages for events of one partition, in arrival order: what a worker does, without Kafka."""
+
+    specs: RewardSpecs = field(default_factory=RewardSpecs)
+    config: JoinConfig = field(default_factory=JoinConfig)
+
+    def __post_init__(self) -> None:
+        self.matcher = PromptMatcher(self.config)
+        self.joiner = EpisodeJoiner(self.specs, self.config)
+
+    @property
+    def counts(self) -> Counter:
+        return self.joiner.counts
+
+    def completion(self, completion: dict) -> list[Event]:
+        out = self.joiner.on_completion(completion)
+        for cid, fb in self.matcher.on_completion(completion):
+            if (ep := self.joiner.on_feedback(cid, fb)) is not None:
+                out.append(ep)
+        return out
+
+    def feedback(self, fb: dict) -> list[Event]:
+        if fb.get("completion_id") is None and fb.get("prompt_sha256") is None:
+            self.counts["no_code"] += 1  # level: noCode — counted in analytics, never trained on
+            return []
+        if fb.get("cache_hit"):
+            ep = self.joiner.unmatched(fb, "cache_hits")  # Continue's cache answered; we served nothing
+            return [ep] if ep else []
+        if fb.get("completion_id"):
+            ep = self.joiner.on_feedback(fb["completion_id"], fb)
+            return [ep] if ep else []
+        cid = self.matcher.on_feedback(fb)
+        if cid is None:
+            return []
+        ep = self.joiner.on_feedback(cid, fb)
+        return [ep] if ep else []
+
+    def tick(self) -> list[Event]:
+        """Close what time has closed: unmatched feedback, IGNORED completions."""
+        now = max(self.matcher.stream_time, self.joiner.stream_time)
+        self.matcher.stream_time = self.joiner.stream_time = now
+        out = [ep for fb in self.matcher.expire() if (ep := self.joiner.unmatched(fb, "unmatched")) is not None]
+        return out + self.joiner.expire()

@@ -1,0 +1,124 @@
+"""The join's rules on small hand-made streams."""
+
+import hashlib
+import random
+from datetime import datetime, timezone
+
+import pytest
+
+from streams.join import JoinConfig, JoinPipeline
+from streams.rewards import RewardSpecs
+
+T0 = 1_800_000_000_000
+
+
+def at(ms: int) -> datetime:
+    return datetime.fromtimestamp((T0 + ms) / 1000, timezone.utc)
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def completion(cid: str, ms: int, text: str = "return x\n", prompt: str = "p", user: str = "u") -> dict:
+    return {"completion_id": cid, "served_at": at(ms), "project_id": "acme", "user_id": user, "prompt": prompt,
+            "prompt_sha256": sha(prompt), "completion_text": text, "completion_token_ids": [1, 2, 3],
+            "completion_logprobs": [-0.1, -0.2, -0.3], "policy_version": 4}
+
+
+def feedback(ms: int, outcome: str = "ACCEPTED", *, cid=None, shown="return x", prompt: str | None = "p",
+             client_id=None, cache_hit=False, accepted_chars=None, user="u", eid=None) -> dict:
+    return {"event_id": eid or f"fb-{ms}-{outcome}-{client_id}", "received_at": at(ms), "project_id": "acme",
+            "user_id": user, "completion_id": cid, "client_completion_id": client_id, "prompt": prompt,
+            "prompt_sha256": sha(prompt) if prompt is not None else None, "completion": shown,
+            "outcome": outcome, "accepted_chars": accepted_chars, "cache_hit": cache_hit}
+
+
+def run(events, config=JoinConfig(), specs=RewardSpecs()):
+    pipe = JoinPipeline(specs, config)
+    out = []
+    for kind, rec in events:
+        out += pipe.completion(rec) if kind == "c" else pipe.feedback(rec)
+        out += pipe.tick()
+    return out, pipe.counts
+
+
+def test_by_our_id_and_reward():
+    eps, counts = run([("c", completion("c1", 0)), ("f", feedback(500, cid="c1", shown=None, prompt=None))])
+    [ep] = eps
+    r = ep.record
+    assert (r["completion_id"], r["outcome"], r["reward"], r["matched"], r["policy_version"]) == \
+        ("c1", "ACCEPTED", 0.75, True, 4)
+    assert r["completion_token_ids"] == [1, 2, 3] and r["behaviour_logprobs"] == [-0.1, -0.2, -0.3]
+    assert r["reward_components"] == {"acceptance": 0.75}
+
+
+def test_early_feedback_waits_for_its_completion():
+    eps, counts = run([("f", feedback(500, "REJECTED", cid="c1", shown=None, prompt=None)),
+                       ("c", completion("c1", 0))])
+    assert [e.record["reward"] for e in eps] == [-0.25] and counts["early_feedback"] == 1
+
+
+def test_by_prompt_picks_latest_whose_text_starts_with_what_was_shown():
+    events = [("c", completion("old", 1000, "abc\ndef")), ("c", completion("new", 2000, "xyz")),
+              ("f", feedback(3000, shown="abc", client_id="k1")), ("f", feedback(3100, shown="x", client_id="k2"))]
+    eps, _ = run(events)
+    assert [e.record["completion_id"] for e in eps] == ["old", "new"]
+
+
+def test_other_user_or_outside_the_window_does_not_match():
+    config = JoinConfig(match_window_ms=1000, max_lateness_ms=100)
+    events = [("c", completion("c1", 0)), ("f", feedback(5000, client_id="late")),
+              ("f", feedback(5001, client_id="other", user="someone-else")), ("c", completion("tick", 9000))]
+    eps, counts = run(events, config)
+    assert {e.record["matched"] for e in eps} == {False} and counts["unmatched"] == 2
+    assert all(e.record["policy_version"] is None and e.record["completion_token_ids"] == [] for e in eps)
+
+
+def test_duplicates_yield_one_episode():
+    events = [("c", completion("c1", 0)), ("f", feedback(100, client_id="k1", eid="e1")),
+              ("f", feedback(100, client_id="k1", eid="e2")),  # Continue reported the same decision twice
+              ("f", feedback(200, "REJECTED", cid="c1", prompt=None, shown=None))]  # a later decision
+    eps, counts = run(events)
+    assert len(eps) == 1 and eps[0].record["outcome"] == "ACCEPTED" and counts["duplicate_feedback"] == 2
+
+
+def test_cache_hits_and_no_code():
+    events = [("f", feedback(100, cache_hit=True, client_id="k1")), ("f", feedback(200, prompt=None, shown=None))]
+    eps, counts = run(events)
+    assert len(eps) == 1 and eps[0].record["matched"] is False and counts["cache_hits"] == 1
+    assert counts["no_code"] == 1
+    eps, counts = run(events, JoinConfig(keep_unmatched=False))
+    assert eps == [] and counts["cache_hits"] == 1
+
+
+def test_ignored_after_ttl():
+    config = JoinConfig(completion_ttl_ms=1000)
+    events = [("c", completion("c1", 0)), ("c", completion("c2", 5000, prompt="q"))]
+    eps, counts = run(events, config)
+    assert eps == [] and counts["ignored"] == 1
+    eps, _ = run(events, JoinConfig(completion_ttl_ms=1000, emit_ignored=True))
+    assert [(e.record["completion_id"], e.record["outcome"], e.record["reward"]) for e in eps] == \
+        [("c1", "IGNORED", 0.0)]
+
+
+def test_partial_credit_by_accepted_fraction():
+    eps, _ = run([("c", completion("c1", 0, text="0123456789")),
+                  ("f", feedback(100, "PARTIAL", cid="c1", accepted_chars=4, prompt=None, shown=None))])
+    assert eps[0].record["reward"] == pytest.approx(0.15)  # -0.25 + 1.0 * 0.4
+
+
+def test_same_episodes_whatever_the_order_within_lateness():
+    events = []
+    for i in range(50):
+        events.append(("c", completion(f"c{i}", i * 100, text=f"t{i}", prompt=f"p{i % 7}")))
+        events.append(("f", feedback(i * 100 + 50, random.Random(i).choice(["ACCEPTED", "REJECTED"]),
+                                     shown=f"t{i}", prompt=f"p{i % 7}", client_id=f"k{i}")))
+    baseline, _ = run(events)
+    shuffled = events[:]
+    random.Random(3).shuffle(shuffled)
+    config = JoinConfig(max_lateness_ms=10_000)
+    again, _ = run(shuffled, config)
+    assert len(baseline) == 50
+    assert sorted((e.event_id, e.record["reward"]) for e in again) == \
+        sorted((e.event_id, e.record["reward"]) for e in baseline)
