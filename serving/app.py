@@ -89,6 +89,7 @@ class FrontDoor:
         caller = self.authenticate(request)
         params = parse_completion_request(await read_json(request, self.settings.max_body_bytes), self.settings)
         run = CompletionRun(params, self.engine, self.settings, caller.project_id, caller.user_id, self.replica_id)
+        run.prepare()  # a prompt we can't serve is a 400 now, not a broken stream later
 
         def headers() -> dict[str, str]:
             # Known once the first token exists: a request runs start to end on one version.

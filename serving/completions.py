@@ -123,11 +123,13 @@ class CompletionRun:
     aborted: bool = False
     policy_version: int | None = None
     prompt_text: str = ""
+    generation: GenerationRequest | None = None
     started: float = field(default_factory=time.perf_counter)
     ttft_ms: float = 0.0
     latency_ms: float = 0.0
 
-    def request(self) -> GenerationRequest:
+    def prepare(self) -> GenerationRequest:
+        """Tokenize and trim the prompt; raises HTTPProblem before any response is started."""
         tok = self.engine.tokenizer
         ids = tok.encode(self.params.model_prompt, add_special_tokens=False)
         if len(ids) > self.settings.max_prompt_tokens:
@@ -141,15 +143,16 @@ class CompletionRun:
             self.prompt_text = tok.decode(ids, skip_special_tokens=False)
         else:
             self.prompt_text = self.params.model_prompt
-        return GenerationRequest(prompt_ids=ids, max_new_tokens=self.params.max_tokens,
-                                 temperature=self.params.temperature, top_p=self.params.top_p,
-                                 seed=self.params.seed, prompt_text=self.prompt_text)
+        self.generation = GenerationRequest(prompt_ids=ids, max_new_tokens=self.params.max_tokens,
+                                            temperature=self.params.temperature, top_p=self.params.top_p,
+                                            seed=self.params.seed, prompt_text=self.prompt_text)
+        return self.generation
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[TokenStep]]]:
         """(text, the steps that made it) as soon as the text is safe to show; the last piece may be ('', [])."""
         pending, steps = "", []
         try:
-            async with aclosing(self.engine.stream(self.request())) as tokens:
+            async with aclosing(self.engine.stream(self.generation or self.prepare())) as tokens:
                 async for step in tokens:
                     if not self.ttft_ms:
                         self.ttft_ms = (time.perf_counter() - self.started) * 1000
