@@ -239,6 +239,20 @@ def serve(ctx: click.Context) -> None:
         pass
 
 
+@main.command()
+@click.option("--guarantee", type=click.Choice(["exactly_once", "at_least_once"]), default="exactly_once",
+              show_default=True)
+@click.pass_context
+def streams(ctx: click.Context, guarantee: str) -> None:
+    """The streams worker: joins completions and feedback into reward-labelled episodes."""
+    import sys
+
+    from streams.app import run_worker
+
+    sys.argv = sys.argv[:1]  # the Faust worker parses the command line itself
+    run_worker(_settings(ctx), guarantee=guarantee)
+
+
 @main.group()
 def keys() -> None:
     """API keys: each maps to a project and a user. Stored hashed under the state dir."""

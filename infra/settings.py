@@ -59,6 +59,15 @@ class Settings(BaseModel):
     ack_timeout_s: float = Field(5.0, gt=0, le=120, description="wait for Kafka before spooling feedback")
     replica_id: str = Field("", description="name of this serving replica in events (default: host-pid)")
 
+    # -- the streams worker (streams/) --
+    join_window_s: float = Field(600, gt=0, description="how far back feedback without our id looks for its completion")
+    join_lateness_s: float = Field(60, ge=0, description="how long feedback waits for a completion not yet seen")
+    completion_ttl_s: float = Field(1800, gt=0, description="a completion with no feedback this long is IGNORED")
+    emit_ignored: bool = Field(False, description="episodes for IGNORED completions (reward 'ignored')")
+    keep_unmatched: bool = Field(True, description="unmatched and cache-hit feedback become off-policy episodes")
+    idle_close_s: float = Field(300, ge=0, description="idle partitions close windows by wall clock minus this")
+    reward_spec_file: Path | None = Field(None, description="YAML reward specs (default and per project)")
+
     @field_validator("kafka_bootstrap")
     @classmethod
     def _bootstrap(cls, v: str) -> str:
@@ -67,7 +76,7 @@ class Settings(BaseModel):
             raise ValueError(f"expected host:port[,host:port…], got {v!r}")
         return ",".join(servers)
 
-    @field_validator("exploration_temperature", mode="before")
+    @field_validator("exploration_temperature", "reward_spec_file", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
         return None if v == "" else v

@@ -42,6 +42,15 @@ class JoinConfig:
     """Episodes for IGNORED completions (reward ``ignored``), or none (the default, as Cursor)."""
     keep_unmatched: bool = True
     """Unmatched and cache-hit feedback become off-policy episodes (matched=false), or are dropped."""
+    idle_close_ms: int = 5 * 60_000
+    """A partition with no new events closes windows by the wall clock minus this much."""
+
+    @classmethod
+    def from_settings(cls, settings) -> "JoinConfig":
+        return cls(match_window_ms=int(settings.join_window_s * 1000),
+                   max_lateness_ms=int(settings.join_lateness_s * 1000),
+                   completion_ttl_ms=int(settings.completion_ttl_s * 1000), emit_ignored=settings.emit_ignored,
+                   keep_unmatched=settings.keep_unmatched, idle_close_ms=int(settings.idle_close_s * 1000))
 
 
 def millis(t) -> int:

@@ -1,0 +1,149 @@
+"""The streams worker on the real broker: 10,000 completions and 10,000 feedback events, shuffled,
+with early feedback, duplicates, cache hits, unmatched feedback, trimmed texts and expired windows.
+The expected episodes are worked out here from how each event was made, not with streams.join."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+import pytest
+
+from infra.bus import EventProducer, ensure_topics, read_topic
+from infra.settings import to_environ
+from schemas.events import new_event
+from tests.conftest import make_settings
+
+pytestmark = pytest.mark.kafka
+N_COMPLETIONS = 10_000
+N_FEEDBACK = 10_000
+WINDOW_S, LATENESS_S, IDLE_S = 30, 20, 3
+
+
+def ts(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, timezone.utc)
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def reward(outcome: str, fraction: float | None = None) -> float:
+    return {"ACCEPTED": 0.75, "REJECTED": -0.25}.get(outcome, -0.25 + (fraction or 0.0))
+
+
+def scenario(seed: int = 7):
+    """(events in publish order, expected {episode completion_id: (outcome, reward, matched)}, counts)."""
+    rng = random.Random(seed)
+    now = int(time.time() * 1000)
+    completions, feedback, expected = [], [], {}
+    kinds = {"by_id": 0, "by_prompt": 0, "duplicate": 0, "ignored": 0, "expired": 0, "cache_hit": 0,
+             "unmatched": 0}
+
+    def fb(**fields):
+        e = new_event("FeedbackReceived", raw_payload="{}", **fields)
+        feedback.append(e)
+        return e
+
+    for i in range(N_COMPLETIONS):
+        project, user, prompt = f"p{i % 3}", f"u{i % 5}", f"<|fim_prefix|>x{i % 200} = <|fim_suffix|><|fim_middle|>"
+        text = f"v{i:06d}:" + "".join(rng.choice("abc ") for _ in range(rng.randrange(4, 30)))
+        fate = rng.choices(["by_id", "by_prompt", "ignored", "expired"], [30, 50, 12, 8])[0]
+        served = now - (WINDOW_S + 15) * 1000 if fate == "expired" else now + i
+        cid = f"cmpl-{seed}-{i}"
+        completions.append(new_event(
+            "CompletionServed", completion_id=cid, served_at=ts(served), project_id=project, user_id=user,
+            model="tiny", policy_version=i % 4, prompt=prompt, prompt_sha256=sha(prompt), completion_text=text,
+            completion_token_ids=[i % 50, 7], completion_logprobs=[-0.5, -1.0], finish_reason="stop",
+            aborted=False, temperature=0.2, top_p=1.0, max_tokens=16, ttft_ms=1.0, latency_ms=2.0,
+            replica_id="r"))
+        kinds[fate] += 1
+        if fate == "ignored":
+            continue
+        outcome = rng.choice(["ACCEPTED", "REJECTED", "PARTIAL"] if fate == "by_id" else ["ACCEPTED", "REJECTED"])
+        received = now + 500 + i if fate != "expired" else now
+        if fate == "by_id":
+            chars = rng.randrange(0, len(text) + 1) if outcome == "PARTIAL" else None
+            fb(project_id=project, user_id=user, source="api", completion_id=cid, outcome=outcome,
+               accepted_chars=chars, received_at=ts(received))
+            expected[cid] = (outcome, reward(outcome, chars / len(text) if chars is not None else None), True)
+            continue
+        shown = text[:rng.randrange(8, len(text) + 1)]  # Continue trims what it shows
+        client_id = f"continue-{seed}-{i}"
+        first = fb(project_id=project, user_id=user, source="continue-fork", client_completion_id=client_id,
+                   prompt=prompt, prompt_sha256=sha(prompt), completion=shown, outcome=outcome,
+                   received_at=ts(received))
+        if fate == "expired":  # served outside the window: unmatched, an off-policy episode of its own
+            expected[f"unmatched-{first.event_id}"] = (outcome, reward(outcome), False)
+            continue
+        expected[cid] = (outcome, reward(outcome), True)
+        if rng.random() < 0.1:  # Continue reports the same decision again
+            kinds["duplicate"] += 1
+            fb(project_id=project, user_id=user, source="continue-fork", client_completion_id=client_id,
+               prompt=prompt, prompt_sha256=sha(prompt), completion=shown, outcome=outcome,
+               received_at=ts(received + 5))
+    while len(feedback) < N_FEEDBACK:
+        j = len(feedback)
+        outcome = rng.choice(["ACCEPTED", "REJECTED"])
+        cache_hit = j % 2 == 0
+        kinds["cache_hit" if cache_hit else "unmatched"] += 1
+        prompt = f"never served {j}"
+        e = fb(project_id="p0", user_id="u0", source="continue-data", client_completion_id=f"lost-{seed}-{j}",
+               prompt=prompt, prompt_sha256=sha(prompt), completion="zzz", outcome=outcome, cache_hit=cache_hit,
+               received_at=ts(now + 1000 + j))
+        expected[f"unmatched-{e.event_id}"] = (outcome, reward(outcome), False)
+    events = completions + feedback
+    rng.shuffle(events)  # feedback often arrives before its completion
+    return events, expected, kinds
+
+
+def start_worker(settings, log_name: str) -> subprocess.Popen:
+    log = open(settings.state_dir / log_name, "ab")
+    return subprocess.Popen([sys.executable, "-m", "infra.cli", "streams"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **to_environ(settings)})
+
+
+def collect(settings, want: int, timeout_s: float, proc) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+        if len(episodes) >= want or time.monotonic() > deadline or proc.poll() is not None:
+            return episodes
+        time.sleep(2)
+
+
+def test_ten_thousand_shuffled_events_give_exactly_the_expected_episodes(kafka, tmp_path):
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
+                             join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
+    ensure_topics(settings)
+    events, expected, kinds = scenario()
+    assert all(v > 100 for v in kinds.values()), kinds  # every situation is well represented
+    before = {r.event.record["completion_id"] for r in read_topic(settings, "tabloop.episodes") if r.event}
+    worker = start_worker(settings, "streams.log")
+    try:
+        with EventProducer(settings) as producer:
+            for e in events:
+                producer.publish(e)
+        episodes = collect(settings, len(before) + len(expected), 300, worker)
+        time.sleep(LATENESS_S + IDLE_S + 3)  # anything late would show up now
+        episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+    got = {}
+    for e in episodes:
+        if e["completion_id"] in before:
+            continue
+        assert e["completion_id"] not in got, f"two episodes for {e['completion_id']}"
+        got[e["completion_id"]] = (e["outcome"], e["reward"], e["matched"])
+    assert set(got) == set(expected), (len(set(expected) - set(got)), len(set(got) - set(expected)))
+    for cid, (outcome, r, matched) in expected.items():
+        assert got[cid][0] == outcome and got[cid][2] == matched and got[cid][1] == pytest.approx(r), cid
