@@ -60,7 +60,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     by_prompt = app.topic(f"{app_id}-by-prompt", internal=True, key_serializer="raw", value_serializer="json")
     by_completion = app.topic(f"{app_id}-by-completion", internal=True, key_serializer="raw",
                               value_serializer="json")
-    table = dict(default=dict, partitions=settings.topic_partitions, key_type=bytes, value_type=dict)
+    table = dict(default=dict, partitions=settings.topic_partitions, key_type=bytes)  # values: JSON dicts
     prompt_state = app.Table("prompt-state", **table)
     completion_state = app.Table("completion-state", **table)
     app.tabloop_counts = counts = EpisodeJoiner().counts
@@ -170,10 +170,14 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         for key, state in [(k, v) for k, v in prompt_state.items() if v.get("p") == partition]:
             m = matcher_for(key)
             m.stream_time = max(m.stream_time, now)
+            k = _prompt_tuple(key)
+            sizes = (len(m.candidates.get(k, [])), len(m.waiting.get(k, [])))
             for fb in m.expire():
                 await by_completion.send(key=_identity_key(fb), value={"kind": "unmatched", "record": fb,
                                                                        "why": "unmatched"})
-            save_matcher(key, m, partition)
+            # Write only what changed: every write is a changelog record a restart must replay.
+            if (len(m.candidates.get(k, [])), len(m.waiting.get(k, []))) != sizes:
+                save_matcher(key, m, partition)
 
     # -- stage B: one episode per completion ----------------------------------------------------------
 
@@ -231,8 +235,10 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
                 continue
             j = joiner_for(key)
             j.stream_time = max(j.stream_time, now)
+            sizes = (len(j.open), len(j.early))
             episodes = j.expire()
-            save_joiner(key, j, partition)
+            if (len(j.open), len(j.early)) != sizes:  # only changes reach the changelog
+                save_joiner(key, j, partition)
             for ep in episodes:
                 await emit(ep)
 

@@ -37,7 +37,7 @@ def reward(outcome: str, fraction: float | None = None) -> float:
     return {"ACCEPTED": 0.75, "REJECTED": -0.25}.get(outcome, -0.25 + (fraction or 0.0))
 
 
-def scenario(seed: int = 7):
+def scenario(seed: int = 7, n_completions: int = N_COMPLETIONS, n_feedback: int = N_FEEDBACK):
     """(events in publish order, expected {episode completion_id: (outcome, reward, matched)}, counts)."""
     rng = random.Random(seed)
     now = int(time.time() * 1000)
@@ -50,7 +50,7 @@ def scenario(seed: int = 7):
         feedback.append(e)
         return e
 
-    for i in range(N_COMPLETIONS):
+    for i in range(n_completions):
         project, user, prompt = f"p{i % 3}", f"u{i % 5}", f"<|fim_prefix|>x{i % 200} = <|fim_suffix|><|fim_middle|>"
         text = f"v{i:06d}:" + "".join(rng.choice("abc ") for _ in range(rng.randrange(4, 30)))
         fate = rng.choices(["by_id", "by_prompt", "ignored", "expired"], [30, 50, 12, 8])[0]
@@ -87,7 +87,7 @@ def scenario(seed: int = 7):
             fb(project_id=project, user_id=user, source="continue-fork", client_completion_id=client_id,
                prompt=prompt, prompt_sha256=sha(prompt), completion=shown, outcome=outcome,
                received_at=ts(received + 5))
-    while len(feedback) < N_FEEDBACK:
+    while len(feedback) < n_feedback:
         j = len(feedback)
         outcome = rng.choice(["ACCEPTED", "REJECTED"])
         cache_hit = j % 2 == 0
@@ -108,7 +108,7 @@ def start_worker(settings, log_name: str) -> subprocess.Popen:
                             env={**os.environ, **to_environ(settings)})
 
 
-def collect(settings, want: int, timeout_s: float, proc) -> dict:
+def collect(settings, want: int, timeout_s: float, proc) -> list:
     deadline = time.monotonic() + timeout_s
     while True:
         episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
@@ -117,33 +117,118 @@ def collect(settings, want: int, timeout_s: float, proc) -> dict:
         time.sleep(2)
 
 
+def stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def check(episodes, before: set, expected: dict) -> int:
+    """Assert the distinct episodes are exactly the expected ones; return how many were redelivered.
+
+    A redelivery is the same episode (same deterministic event_id, same content) on the topic twice;
+    consumers deduplicate by event_id. Two *different* episodes for one completion fail the test.
+    """
+    got, first, redelivered = {}, {}, 0
+    for e in episodes:
+        if e["completion_id"] in before:
+            continue
+        cid = e["completion_id"]
+        if cid in first:
+            assert e == first[cid], f"two different episodes for {cid}"
+            redelivered += 1
+            continue
+        first[cid] = e
+        got[cid] = (e["outcome"], e["reward"], e["matched"])
+    assert set(got) == set(expected), (len(set(expected) - set(got)), len(set(got) - set(expected)))
+    for cid, (outcome, r, matched) in expected.items():
+        assert got[cid][0] == outcome and got[cid][2] == matched and got[cid][1] == pytest.approx(r), cid
+    return redelivered
+
+
+def episode_ids(settings) -> set:
+    return {r.event.record["completion_id"] for r in read_topic(settings, "tabloop.episodes") if r.event}
+
+
 def test_ten_thousand_shuffled_events_give_exactly_the_expected_episodes(kafka, tmp_path):
     settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
                              join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
     ensure_topics(settings)
     events, expected, kinds = scenario()
     assert all(v > 100 for v in kinds.values()), kinds  # every situation is well represented
-    before = {r.event.record["completion_id"] for r in read_topic(settings, "tabloop.episodes") if r.event}
+    before = episode_ids(settings)
     worker = start_worker(settings, "streams.log")
     try:
         with EventProducer(settings) as producer:
             for e in events:
                 producer.publish(e)
-        episodes = collect(settings, len(before) + len(expected), 300, worker)
+        collect(settings, len(before) + len(expected), 600, worker)
         time.sleep(LATENESS_S + IDLE_S + 3)  # anything late would show up now
         episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
     finally:
-        worker.terminate()
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-    got = {}
-    for e in episodes:
-        if e["completion_id"] in before:
-            continue
-        assert e["completion_id"] not in got, f"two episodes for {e['completion_id']}"
-        got[e["completion_id"]] = (e["outcome"], e["reward"], e["matched"])
-    assert set(got) == set(expected), (len(set(expected) - set(got)), len(set(got) - set(expected)))
-    for cid, (outcome, r, matched) in expected.items():
-        assert got[cid][0] == outcome and got[cid][2] == matched and got[cid][1] == pytest.approx(r), cid
+        stop(worker)
+    assert check(episodes, before, expected) == 0  # no crash, no redelivery
+
+
+def test_sigkill_mid_stream_loses_nothing_and_doubles_nothing(kafka, tmp_path):
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
+                             join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
+    ensure_topics(settings)
+    events, expected, _ = scenario(seed=11, n_completions=3000, n_feedback=3000)
+    before = episode_ids(settings)
+    worker = start_worker(settings, "streams-1.log")
+    try:
+        with EventProducer(settings) as producer:
+            for e in events:
+                producer.publish(e)
+        partial = collect(settings, len(before) + len(expected) // 3, 300, worker)
+        assert len(partial) < len(before) + len(expected), "the worker finished before it could be killed"
+        worker.kill()  # SIGKILL, mid-stream
+        worker.wait()
+        worker = start_worker(settings, "streams-2.log")
+        collect(settings, len(before) + len(expected), 600, worker)
+        time.sleep(LATENESS_S + IDLE_S + 3)
+        episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+    finally:
+        stop(worker)
+    redelivered = check(episodes, before, expected)
+    print(f"after SIGKILL: {len(expected)} distinct episodes as expected, {redelivered} redelivered")
+
+
+def test_undecodable_input_goes_to_the_dead_letter_topic(kafka, tmp_path):
+    from confluent_kafka import Producer
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    ensure_topics(settings)
+    worker = start_worker(settings, "streams-dl.log")
+    try:
+        raw = Producer({"bootstrap.servers": settings.kafka_bootstrap})
+        raw.produce("tabloop.feedback", b"\xc3\x01not an event at all", key=b"junk")
+        raw.produce("tabloop.completions", b'{"json": "is not avro"}', key=b"junk")
+        raw.flush(10)
+        deadline = time.monotonic() + 120
+        letters = []
+        while time.monotonic() < deadline and len(letters) < 2:
+            letters = [r.event.record for r in read_topic(settings, "tabloop.deadletter") if r.event
+                       and r.event.record["consumer"] == "tabloop-streams"]
+            time.sleep(1)
+        # The stream goes on: a good event after the bad ones still becomes an episode.
+        good = new_event("FeedbackReceived", project_id="p", user_id="u", source="api", completion_id="cmpl-dl",
+                         outcome="ACCEPTED", raw_payload="{}", cache_hit=True)
+        with EventProducer(settings) as producer:
+            producer.publish(good)
+        episodes = []
+        while time.monotonic() < deadline and not episodes:
+            episodes = [r for r in read_topic(settings, "tabloop.episodes")
+                        if r.event and r.event.record["feedback_event_id"] == good.event_id]
+            time.sleep(1)
+    finally:
+        stop(worker)
+    by_topic = {d["source_topic"]: d for d in letters}
+    assert set(by_topic) == {"tabloop.feedback", "tabloop.completions"}
+    assert by_topic["tabloop.feedback"]["raw"] == b"\xc3\x01not an event at all"
+    assert "UnknownSchemaError" in by_topic["tabloop.feedback"]["error"]
+    assert "CorruptEventError" in by_topic["tabloop.completions"]["error"]
+    assert len(episodes) == 1
