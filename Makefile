@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tabloop-installed
 
-.PHONY: up down test install kafka-jars bench clean
+.PHONY: up down test drills install kafka-jars bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ down: install
 # The test session starts its own broker on a free port and stops it at the end.
 test: kafka-jars
 	$(BIN)/python -m pytest
+
+# Long end-to-end runs: the streams worker on 10k/10k events, SIGKILL mid-stream, dead letters.
+drills: kafka-jars
+	$(BIN)/python -m pytest -m drill
 
 bench: kafka-jars
 	$(BIN)/tabloop bench codec

@@ -19,10 +19,23 @@ from infra.settings import to_environ
 from schemas.events import new_event
 from tests.conftest import make_settings
 
-pytestmark = pytest.mark.kafka
+# Long runs on a broker of their own (the session broker's topics hold other tests' events, which a
+# worker reading from the earliest offset would join too): `make drills`, not `make test`.
+pytestmark = [pytest.mark.kafka, pytest.mark.drill]
 N_COMPLETIONS = 10_000
 N_FEEDBACK = 10_000
 WINDOW_S, LATENESS_S, IDLE_S = 30, 20, 3
+
+
+@pytest.fixture(scope="module")
+def kafka(tmp_path_factory):
+    from infra.kafka_broker import LocalKafka, free_port
+
+    settings = make_settings(tmp_path_factory.mktemp("streams-kafka"), kafka_bootstrap=f"127.0.0.1:{free_port()}")
+    broker = LocalKafka(settings)
+    broker.start()
+    yield broker
+    broker.stop()
 
 
 def ts(ms: int) -> datetime:
