@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from datetime import datetime
+from datetime import datetime, timezone
 
 import faust
 from confluent_kafka import Producer
@@ -36,6 +36,7 @@ from schemas.events import Event, new_event
 from schemas.topics import COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK
 from streams.join import EpisodeJoiner, JoinConfig, PromptMatcher, millis
 from streams.rewards import RewardSpecs
+from streams.scoring import Scorers, rescored
 
 log = logging.getLogger("tabloop.streams")
 APP_ID = "tabloop-streams"
@@ -149,9 +150,10 @@ def completion_deadline(state: dict, config: JoinConfig) -> int | None:
 
 
 def build_app(settings: Settings, specs: RewardSpecs | None = None, config: JoinConfig | None = None,
-              *, app_id: str = APP_ID, guarantee: str = "exactly_once") -> faust.App:
+              *, app_id: str = APP_ID, guarantee: str = "exactly_once", scorers: Scorers | None = None) -> faust.App:
     specs = specs or (RewardSpecs.from_yaml(settings.reward_spec_file) if settings.reward_spec_file else RewardSpecs())
     config = config or JoinConfig.from_settings(settings)
+    scorers = scorers or Scorers.from_settings(settings)
     codec = make_codec(settings)
     app = StreamsApp(
         app_id, broker=[f"kafka://{s}" for s in settings.kafka_bootstrap.split(",")], store="memory://",
@@ -159,6 +161,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         topic_replication_factor=settings.topic_replication, web_enabled=False, key_serializer="raw",
         value_serializer="json", consumer_auto_offset_reset="earliest", datadir=str(settings.state_dir / "streams"),
         Table=TransactionalTable,
+        producer_linger_ms=5,  # batch the many small sends of a repartition into few produce requests
     )
     app.tabloop_processing = processing = asyncio.Lock()
     app.tabloop_pending = pending = []
@@ -170,6 +173,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     by_prompt = app.topic(f"{app_id}-by-prompt", internal=True, key_serializer="raw", value_serializer="json")
     by_completion = app.topic(f"{app_id}-by-completion", internal=True, key_serializer="raw",
                               value_serializer="json")
+    to_score = app.topic(f"{app_id}-to-score", internal=True, key_serializer="raw", value_serializer="json")
     table = dict(default=dict, partitions=settings.topic_partitions, key_type=bytes)  # values: JSON dicts
     prompt_state = app.Table("prompt-state", **table)
     completion_state = app.Table("completion-state", **table)
@@ -214,16 +218,28 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         return plain(e.record)
 
     async def emit(episode: Event) -> None:
+        """Publish an episode, or first have it scored when its project's spec weighs judge or tests."""
+        record = plain(episode.record)
+        wanted = scorers.wanted(specs.for_project(record["project_id"]), record)
+        if wanted:
+            counts["to_score"] += 1
+            await to_score.send(key=episode.key.encode(), value={"episode": record, "wanted": wanted})
+            return
         counts["episodes_out"] += 1
         await episodes_out.send(key=episode.key.encode(), value=codec.encode(episode))
 
-    async def each_event(stream, handle) -> None:
+    async def each_event(stream, handle, prepare=None) -> None:
         """Run ``handle`` on every event as one unit: its sends and table writes go out in the
-        transaction of its source partition before the next event starts, and no commit cuts into it."""
+        transaction of its source partition, the event is acked, and no commit cuts into it.
+
+        ``prepare`` (slow work without side effects, such as asking the judge) runs first, outside
+        the unit, so that other agents go on meanwhile; its result is handed to ``handle``.
+        """
         async for event in stream.events():
+            prepared = await prepare(event) if prepare is not None else None
             async with processing:
                 try:
-                    await handle(event)
+                    await (handle(event) if prepare is None else handle(event, prepared))
                 except Exception as exc:  # a bug or a poison record must not stall the stream
                     log.exception("could not process %s[%d]@%d", event.message.topic, event.message.partition,
                                   event.message.offset)
@@ -233,6 +249,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
                                                    key_serializer=tbl.key_serializer,
                                                    value_serializer=value_serializer or tbl.value_serializer)
                 pending.clear()
+                event.ack()  # inside the unit: a commit takes its offset together with its effects
 
     # -- routing: decode, check, re-key ---------------------------------------------------------
 
@@ -241,7 +258,10 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         if isinstance(rec, Exception):
             return await dead_letter(event, rec)
         await by_completion.send(key=rec["completion_id"].encode(), value={"kind": "completion", "record": rec})
-        await by_prompt.send(key=_prompt_key(rec), value={"kind": "completion", "record": rec})
+        # The matcher needs only who, when and what text: not the token ids and logprobs.
+        await by_prompt.send(key=_prompt_key(rec), value={"kind": "completion", "record": {
+            k: rec[k] for k in ("completion_id", "served_at", "completion_text", "project_id", "user_id",
+                                "prompt_sha256")}})
 
     async def route_one_feedback(event) -> None:
         fb = decoded(event, "FeedbackReceived")
@@ -394,6 +414,26 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     @app.agent(by_completion)
     async def join(stream):
         await each_event(stream, join_one)
+
+    # -- stage C (only for specs that weigh judge or tests): score, then publish ---------------------------
+
+    async def score_one(event) -> tuple[dict, dict]:
+        episode, wanted = event.value["episode"], event.value["wanted"]
+        return await scorers.score(specs.for_project(episode["project_id"]), episode, wanted)
+
+    async def publish_scored(event, scores: tuple[dict, dict]) -> None:
+        episode = event.value["episode"]
+        record = rescored(episode, specs.for_project(episode["project_id"]), *scores)
+        record["joined_at"] = datetime.fromtimestamp(record["joined_at"] / 1000, timezone.utc)
+        for component in scores[1]:
+            counts[f"scoring_errors_{component}"] += 1
+        counts["episodes_out"] += 1
+        scored = Event("Episode", record)
+        await episodes_out.send(key=scored.key.encode(), value=codec.encode(scored))
+
+    @app.agent(to_score, concurrency=scorers.concurrency)
+    async def score(stream):
+        await each_event(stream, publish_scored, prepare=score_one)
 
     # -- time: a tick into every partition, so expiry happens inside stream processing -------------------
     # Ticks go out through a plain (non-transactional) Kafka producer: a Faust send from a timer would run
