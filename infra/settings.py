@@ -69,6 +69,9 @@ class Settings(BaseModel):
     keep_unmatched: bool = Field(True, description="unmatched and cache-hit feedback become off-policy episodes")
     idle_close_s: float = Field(300, ge=0, description="idle partitions close windows by wall clock minus this")
     reward_spec_file: Path | None = Field(None, description="YAML reward specs (default and per project)")
+    streams_commit_interval_s: float = Field(
+        0.2, gt=0, le=60, description="streams worker: seconds between commits (with exactly-once, each stage's "
+                                      "output is readable downstream only after a commit, so this bounds latency)")
     judge_api_url: str = Field("", description="LLM judge: base URL of an OpenAI-compatible API (or LLMASJUDGE_API_URL)")
     judge_api_key: str = Field("", description="LLM judge: API key (or LLMASJUDGE_API_KEY)", repr=False)
     judge_model: str = Field("", description="LLM judge: model name (or LLMASJUDGE_MODEL)")

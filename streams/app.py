@@ -29,11 +29,11 @@ from confluent_kafka import Producer
 from faust import current_event
 from faust.transport.consumer import TransactionManager
 
-from infra.bus import make_codec
+from infra.bus import ensure_topics, make_codec
 from infra.settings import Settings
 from schemas.codec import EventDecodeError
 from schemas.events import Event, new_event
-from schemas.topics import COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK
+from schemas.topics import CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, Topic
 from streams.join import EpisodeJoiner, JoinConfig, PromptMatcher, millis
 from streams.rewards import RewardSpecs
 from streams.scoring import Scorers, rescored
@@ -162,6 +162,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         value_serializer="json", consumer_auto_offset_reset="earliest", datadir=str(settings.state_dir / "streams"),
         Table=TransactionalTable,
         producer_linger_ms=5,  # batch the many small sends of a repartition into few produce requests
+        broker_commit_interval=settings.streams_commit_interval_s,
     )
     app.tabloop_processing = processing = asyncio.Lock()
     app.tabloop_pending = pending = []
@@ -465,8 +466,23 @@ def _identity_key(fb: dict) -> bytes:
     return (f"fb:{fb['project_id']}/{ident}" if ident else f"fb:{fb['event_id']}").encode()
 
 
+def internal_topics(app_id: str = APP_ID) -> tuple[Topic, ...]:
+    """The worker's own topics: repartitions and table changelogs (``{app_id}-{table}-changelog``)."""
+    repartition = {"cleanup.policy": "delete", "retention.ms": str(7 * 24 * 3600 * 1000)}
+    return tuple([Topic(f"{app_id}-{name}", "(internal)", repartition) for name in ("by-prompt", "by-completion",
+                                                                                       "to-score")]
+                 + [Topic(f"{app_id}-{table}-changelog", "(internal)", {"cleanup.policy": "compact"})
+                    for table in ("prompt-state", "completion-state")])
+
+
 def run_worker(settings: Settings, **kwargs) -> None:
-    """`tabloop streams`: run the worker until interrupted."""
+    """`tabloop streams`: run the worker until interrupted.
+
+    Every topic it reads is created first: Faust creates its internal topics itself, but after it
+    joins the group, and a topic missing then stays unassigned until the consumer's next metadata
+    refresh (five minutes) — a worker that sat idle for its first five minutes.
+    """
+    ensure_topics(settings, CATALOG + internal_topics(kwargs.get("app_id", APP_ID)))
     app = build_app(settings, **kwargs)
     worker = faust.Worker(app, loglevel=settings.log_level.lower())
     worker.execute_from_commandline()
