@@ -234,7 +234,8 @@ class LocalKafka:
         proc = subprocess.run(
             [java, "-Xmx256m", f"-Dlog4j2.configurationFile={self._log_config}",
              "-cp", classpath, "kafka.tools.StorageTool", "format",
-             "-t", cluster_id, "-c", str(self.properties_file), "--ignore-formatted"],
+             # `=`: a base64 id may start with "-", which a separate argument would read as an option.
+             f"--cluster-id={cluster_id}", "-c", str(self.properties_file), "--ignore-formatted"],
             capture_output=True, text=True,
         )
         if proc.returncode != 0:
