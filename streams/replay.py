@@ -263,7 +263,7 @@ def replay(settings: Settings, source: str, selection: Selection, topic: str | N
     if topic is not None:
         publish_episodes(settings, topic, episodes)
     counts: dict[str, int] = {}
-    for type_name, _ in records:
+    for type_name, _ in {r["event_id"]: (t, r) for t, r in records}.values():  # distinct events
         counts[type_name] = counts.get(type_name, 0) + 1
     return {"source": source, "topic": topic, "completions": counts.get("CompletionServed", 0),
             "feedback": counts.get("FeedbackReceived", 0), "episodes": len(episodes),
