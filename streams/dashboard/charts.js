@@ -34,8 +34,9 @@ function frame(container, xs, yMin, yMax, yFormat, opts) {
     const t = el("text", {x: L - 6, y: y(v) + 4, "text-anchor": "end"}, axis);
     t.textContent = yFormat(v);
   }
-  const step = xs.length > 1 ? plotW / (xs.length - 1) : 0;
-  const x = i => xs.length > 1 ? L + i * step : L + plotW / 2;
+  // Bars sit in the middle of equal slots; line points run edge to edge.
+  const step = opts.slots ? plotW / xs.length : (xs.length > 1 ? plotW / (xs.length - 1) : 0);
+  const x = opts.slots ? (i => L + (i + 0.5) * step) : (i => xs.length > 1 ? L + i * step : L + plotW / 2);
   const every = Math.max(1, Math.ceil(xs.length / 8));
   xs.forEach((label, i) => {
     if (i % every) return;
@@ -69,7 +70,8 @@ function lineChart(container, series, opts) {
   const xs = [...new Set(series.flatMap(s => s.points.map(p => p.x)))].sort();
   if (!xs.length) return empty(container, opts.empty || "no data yet");
   const values = series.flatMap(s => s.points.map(p => p.y)).filter(v => v !== null && isFinite(v));
-  const yMin = opts.yMin !== undefined ? opts.yMin : Math.min(0, ...values);
+  const lowest = Math.min(0, ...values);
+  const yMin = opts.yMin !== undefined ? opts.yMin : (lowest < 0 ? -niceMax(-lowest) : 0);
   const yMax = opts.yMax !== undefined ? opts.yMax : niceMax(Math.max(...values));
   const fmt = opts.format || (v => String(Math.round(v * 100) / 100));
   const f = frame(container, xs, yMin, yMax, fmt, opts);
@@ -99,9 +101,8 @@ function barChart(container, xs, series, opts) {
   const values = series.flatMap(s => xs.map(x => s.values[x] || 0));
   const yMax = niceMax(Math.max(...values));
   const fmt = opts.format || (v => String(Math.round(v)));
-  const f = frame(container, xs, 0, yMax, fmt, opts);
-  const slot = xs.length > 1 ? f.step : f.plotW / 2;
-  const barW = Math.max(2, Math.min(28, slot * 0.8 / series.length));
+  const f = frame(container, xs, 0, yMax, fmt, Object.assign({slots: true}, opts));
+  const barW = Math.max(2, Math.min(28, f.step * 0.8 / series.length));
   series.forEach((s, si) => {
     const color = PALETTE[si % PALETTE.length];
     const g = el("g", {class: "series", "data-series": s.name}, f.svg);
