@@ -29,6 +29,7 @@ Exactly once, without transactions across Kafka and ClickHouse:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -452,7 +453,13 @@ class HistorySink:
             raise HistoryError(f"no history table {', '.join(sorted(unknown))}; tables: {', '.join(EVENT_FOR_TABLE)}")
         self.batch_size = settings.history_batch_size
         self.batch_interval_s = settings.history_batch_interval_s
-        self.consumer = consumer or EventConsumer(settings, group_id, list(self.topics), client_id="tabloop-history")
+        # Static membership: a sink restarted after a crash takes its partitions back at once instead of
+        # waiting out the dead member's session. The id names the store, so two sinks writing one store
+        # fence each other rather than share its partitions.
+        instance = hashlib.sha256(f"{settings.effective_clickhouse_url}|{store.database}|{group_id}".encode())
+        self.consumer = consumer or EventConsumer(
+            settings, group_id, list(self.topics), client_id="tabloop-history",
+            overrides={"group.instance.id": f"tabloop-history-{instance.hexdigest()[:16]}"})
         self.stats = SinkStats()
         # (topic, partition) → the offset the next message should have, and offsets known stored from there.
         self._expected: dict[tuple[str, int], int] = {}
