@@ -75,12 +75,13 @@ def dashboard_data(store: HistoryStore, days: int = 30, project: str | None = No
         return [{k: json_value(v) for k, v in r.items()} for r in store.query(sql).records()]
 
     if project:
-        acceptance = rows(f"""SELECT policy_version, day, sum(episodes) AS episodes,
-            sum(accepted) + sum(partial) AS accepted, sum(rejected) AS rejected,
-            round((sum(accepted) + sum(partial)) / nullIf(sum(accepted) + sum(partial) + sum(rejected), 0), 6)
-              AS acceptance_rate
-            FROM {db}.acceptance WHERE {since}{where_project} AND policy_version IS NOT NULL
-            GROUP BY policy_version, day ORDER BY day, policy_version""")
+        acceptance = rows(f"""SELECT policy_version, day, n AS episodes, a AS accepted, r AS rejected,
+            round(a / nullIf(a + r, 0), 6) AS acceptance_rate
+            FROM (SELECT policy_version, day, sum(episodes) AS n, sum(accepted) + sum(partial) AS a,
+                  sum(rejected) AS r
+                  FROM {db}.acceptance WHERE {since}{where_project} AND policy_version IS NOT NULL
+                  GROUP BY policy_version, day)
+            ORDER BY day, policy_version""")
         reward = rows(f"""SELECT policy_version, toDate(joined_at) AS day, count() AS episodes,
             round(avg(reward), 6) AS reward_mean FROM {db}.episodes FINAL
             WHERE toDate(joined_at) >= today() - {int(days)}{where_project} AND policy_version IS NOT NULL

@@ -74,3 +74,28 @@ def test_history_schema_prints_what_the_sink_makes():
     assert "TTL toDateTime(received_at) + INTERVAL 9 DAY" in r.output
     bad = CliRunner().invoke(main, ["history", "schema"], env={"TABLOOP_HISTORY_RETENTION_DAYS": "x=1"})
     assert bad.exit_code == 1 and "TABLOOP_HISTORY_RETENTION_DAYS" in bad.output
+
+
+def test_dashboard_api_filters_by_project(sink):
+    import httpx
+    from collections import defaultdict
+
+    store, env, want = sink
+    url = f"http://127.0.0.1:{env['TABLOOP_HISTORY_PORT']}/api/dashboard"
+    assert httpx.get(url).status_code == 401
+    auth = {"Authorization": "Bearer tlh_cli"}
+    assert httpx.get(url, params={"days": "x"}, headers=auth).status_code == 400
+    project = "p-a"
+    body = httpx.get(url, params={"project": project, "days": 30}, headers=auth).json()
+    shown = defaultdict(int)
+    for (day, p, _), row in want["shown_vs_accepted"].items():
+        if p == project:
+            shown[day] += row["shown"]
+    assert {r["day"]: r["shown"] for r in body["shown"]} == shown
+    decided = defaultdict(lambda: [0, 0])
+    for (v, day, _, p, _), row in want["acceptance"].items():
+        if p == project and v is not None:
+            decided[(v, day)][0] += row["accepted"]
+            decided[(v, day)][1] += row["accepted"] + row["rejected"]
+    expected = {k: round(a / n, 6) if n else None for k, (a, n) in decided.items()}  # None: only IGNORED
+    assert {(r["policy_version"], r["day"]): r["acceptance_rate"] for r in body["acceptance"]} == expected
