@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Mapping
 
+from confluent_kafka import KafkaException
+
 from infra.settings import Settings
 from schemas.events import EVENT_TYPES, EventType
 from schemas.topics import CATALOG
@@ -431,11 +433,14 @@ class SinkStats:
     stored: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     skipped_already_stored: int = 0
     rejects: int = 0
+    commit_failures: int = 0
+    uncommitted_rows: int = 0
     last_batch_at: float = 0.0
 
     def as_dict(self) -> dict:
         return {"batches": self.batches, "stored": dict(self.stored), "rejects": self.rejects,
-                "skipped_already_stored": self.skipped_already_stored}
+                "skipped_already_stored": self.skipped_already_stored,
+                "commit_failures": self.commit_failures, "uncommitted_rows": self.uncommitted_rows}
 
 
 class HistorySink:
@@ -459,7 +464,9 @@ class HistorySink:
         instance = hashlib.sha256(f"{settings.effective_clickhouse_url}|{store.database}|{group_id}".encode())
         self.consumer = consumer or EventConsumer(
             settings, group_id, list(self.topics), client_id="tabloop-history",
-            overrides={"group.instance.id": f"tabloop-history-{instance.hexdigest()[:16]}"})
+            # Topics made after the sink started are seen within seconds, not librdkafka's 5 minutes.
+            overrides={"group.instance.id": f"tabloop-history-{instance.hexdigest()[:16]}",
+                       "topic.metadata.refresh.interval.ms": 10_000})
         self.stats = SinkStats()
         # (topic, partition) → the offset the next message should have, and offsets known stored from there.
         self._expected: dict[tuple[str, int], int] = {}
@@ -471,7 +478,14 @@ class HistorySink:
         first_at = None
         while len(batch) < self.batch_size and not (stop and stop.is_set()):
             timeout = 0.5 if first_at is None else max(0.0, first_at + self.batch_interval_s - time.monotonic())
-            got = self.consumer.poll(min(self.batch_size - len(batch), 10_000), timeout_s=timeout)
+            errors: list = []
+            got = self.consumer.poll(min(self.batch_size - len(batch), 10_000), timeout_s=timeout, errors=errors)
+            if errors:  # a broker or topic problem: store what came, then let run() wait it out
+                batch.extend(got)
+                if batch:
+                    log.error("Kafka: %s", errors[0].str())
+                    return batch
+                raise KafkaException(errors[0])
             if got and first_at is None:
                 first_at = time.monotonic()
             batch.extend(got)
@@ -519,15 +533,35 @@ class HistorySink:
         batch = self.poll_batch(stop)
         if not batch:
             return 0
-        self.store_batch(batch)
-        self.consumer.commit(batch)
+        rejects_before = self.stats.rejects
+        stored = self.store_batch(batch)
+        # Rows stored whose offsets Kafka does not have yet: what a crash right now would redeliver.
+        self.stats.uncommitted_rows += sum(stored.values()) + self.stats.rejects - rejects_before
+        try:
+            self.consumer.commit(batch)
+            self.stats.uncommitted_rows = 0
+        except KafkaException as exc:
+            # Stored but not committed: the next batch's commit covers these offsets, and if none comes
+            # before a restart, the restarted sink finds them stored and skips them.
+            self.stats.commit_failures += 1
+            log.warning("offsets of a stored batch not committed (%s); a later commit covers them", exc)
         self.stats.batches += 1
         self.stats.last_batch_at = time.time()
         return len(batch)
 
     def run(self, stop: threading.Event, on_batch: Callable[[int], None] | None = None) -> None:
+        """Batches until ``stop``; Kafka errors (a broker away, a topic not made yet) are waited out."""
+        last_error = ""
         while not stop.is_set():
-            n = self.step(stop)
+            try:
+                n = self.step(stop)
+            except KafkaException as exc:
+                if str(exc) != last_error:  # each distinct problem once, not once a second
+                    log.error("Kafka: %s; retrying", exc)
+                    last_error = str(exc)
+                stop.wait(1.0)
+                continue
+            last_error = ""
             if n and on_batch:
                 on_batch(n)
 
