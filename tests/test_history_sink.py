@@ -244,9 +244,23 @@ def run_with_kills(kafka_settings, tmp_path, n: int, kills: int, batch_size: int
             producer_thread.join()
 
 
-def test_sigkill_between_storing_and_committing_then_restart_counts_stay_exact(kafka, tmp_path):
+@pytest.fixture
+def own_kafka(tmp_path_factory):
+    """A broker of this test's own: the test stops and restarts it, which the session's broker must not see."""
+    from infra.kafka_broker import LocalKafka
+
+    state = tmp_path_factory.mktemp("own-kafka")
+    broker = LocalKafka(make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}"))
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.mark.drill  # a broker of its own, stopped and started again: over a minute on a shared machine
+def test_sigkill_between_storing_and_committing_then_restart_counts_stay_exact(own_kafka, tmp_path):
     """The worst moment, made certain: the broker goes away, so the sink stores what it has fetched
     but can't commit it; the sink is killed there, the broker comes back, a new sink starts."""
+    kafka = own_kafka
     settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, history_batch_size=500)
     topics = scratch_topics(settings, uuid.uuid4().hex[:8])
     want = produce(settings, topics, 30_000, seed=21)
