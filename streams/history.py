@@ -519,7 +519,12 @@ class HistorySink:
             record = r.event.record
             rows[table].append([record.get(c) for c in self.store.columns(table)] + [r.topic, r.partition, r.offset])
         for table, table_rows in rows.items():
-            self.store.insert(table, table_rows)
+            try:
+                self.store.insert(table, table_rows)
+            except Exception as exc:  # the engine's message, with what was being stored
+                first = table_rows[0]
+                raise HistoryError(f"storing {len(table_rows)} rows into {self.store.database}.{table} failed "
+                                   f"(first: {first[-3]}/{first[-2]}@{first[-1]}): {exc}") from exc
             self.stats.stored[table] += len(table_rows)
         if rejects:
             log.error("%d messages are not events of their topic's type; kept in %s.%s (first: %s)",

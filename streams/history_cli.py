@@ -70,6 +70,8 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
         signal.signal(sig, lambda *_: stop.set())
     try:
         sink.run(stop)
+    except HistoryError as exc:  # nothing committed past what was stored: a restart resumes from here
+        _fail(str(exc))
     finally:
         sink.close()  # after the last batch was stored and committed
         server.stop()
