@@ -224,3 +224,156 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
     out["overhead_p50_ratio"] = round(d50 / e50 - 1, 4)
     out["overhead_p50_ms"] = round(d50 - e50, 2)
     return _emit(out)
+
+
+def _pipeline_events(n: int, seed: int, start_ms: int, prefix: str, step_ms: float = 1.0) -> tuple[list, list]:
+    """``n`` completions and one feedback for each: half carry our id (our API), half only the prompt
+    and the text the IDE showed (Continue), which the worker matches by prompt within its window."""
+    import hashlib
+    from datetime import datetime, timezone
+
+    from schemas.events import new_event
+
+    rng = random.Random(seed)
+    completions, feedback = [], []
+    for i in range(n):
+        project, user = f"p{i % 4}", f"u{i % 16}"
+        prompt = f"<|fim_prefix|>def f_{prefix}_{i}(x):\n    return <|fim_suffix|>\n<|fim_middle|>"
+        sha = hashlib.sha256(prompt.encode()).hexdigest()
+        text = f"x + {i}"
+        tokens = rng.randrange(8, 64)
+        served = datetime.fromtimestamp((start_ms + i * step_ms) / 1000, timezone.utc)
+        received = datetime.fromtimestamp((start_ms + i * step_ms + 1) / 1000, timezone.utc)
+        cid = f"cmpl-{prefix}-{i}"
+        completions.append(new_event(
+            "CompletionServed", completion_id=cid, served_at=served, project_id=project, user_id=user,
+            model="bench", policy_version=0, prompt=prompt, prompt_sha256=sha, completion_text=text,
+            completion_token_ids=[rng.randrange(50_000) for _ in range(tokens)],
+            completion_logprobs=[-rng.random() for _ in range(tokens)], finish_reason="stop", aborted=False,
+            temperature=0.2, top_p=1.0, max_tokens=64, ttft_ms=5.0, latency_ms=20.0, replica_id="bench"))
+        outcome = "ACCEPTED" if rng.random() < 0.3 else "REJECTED"
+        if i % 2:
+            feedback.append(new_event("FeedbackReceived", project_id=project, user_id=user, source="api",
+                                      completion_id=cid, outcome=outcome, raw_payload="{}", received_at=received))
+        else:
+            feedback.append(new_event("FeedbackReceived", project_id=project, user_id=user, source="continue-fork",
+                                      client_completion_id=f"continue-{prefix}-{i}", prompt=prompt,
+                                      prompt_sha256=sha, completion=text[:3], outcome=outcome, raw_payload="{}",
+                                      received_at=received))
+    return completions, feedback
+
+
+def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, seconds: float = 20.0,
+                   guarantee: str = "exactly_once") -> dict:
+    """One streams worker on a broker of its own.
+
+    1. Throughput: ``n`` completions and ``n`` feedback already on the topics; episodes/s from the
+       worker's first episode to its last (its start-up is reported apart).
+    2. Latency: with the worker caught up, completions and feedback published at ``rate`` feedback/s
+       for ``seconds``; latency = feedback published → its episode readable (read_committed).
+    """
+    import os
+    import subprocess
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from confluent_kafka import Consumer
+
+    from infra.bus import EventProducer, ensure_topics
+    from infra.kafka_broker import LocalKafka, free_port
+    from infra.settings import to_environ
+
+    work = Path(tempfile.mkdtemp(prefix="tabloop-bench-pipeline-"))
+    s = settings.model_copy(update={"state_dir": work, "kafka_bootstrap": f"127.0.0.1:{free_port()}",
+                                    "topic_partitions": settings.topic_partitions})
+    broker = LocalKafka(s)
+    print(f"  starting a broker of its own on {s.kafka_bootstrap}", file=sys.stderr)
+    broker.start()
+    codec = Codec()
+    arrivals: dict[str, float] = {}  # feedback event id -> when its episode was readable
+    stop_reading = threading.Event()
+
+    def read_episodes() -> None:
+        c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": f"bench-{uuid.uuid4().hex[:6]}",
+                      "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                      "isolation.level": "read_committed"})
+        c.subscribe(["tabloop.episodes"])
+        while not stop_reading.is_set():
+            for m in c.consume(1000, 0.2):
+                if m.error() is None:
+                    arrivals.setdefault(codec.decode(m.value()).record["feedback_event_id"], time.perf_counter())
+        c.close()
+
+    def wait_for(ids: list[str], timeout_s: float, label: str) -> float | None:
+        deadline, last_print = time.monotonic() + timeout_s, 0.0
+        while time.monotonic() < deadline:
+            done = sum(1 for i in ids if i in arrivals)
+            if time.monotonic() - last_print > 5:
+                print(f"  {label}: {done:,}/{len(ids):,} episodes", file=sys.stderr)
+                last_print = time.monotonic()
+            if done == len(ids):
+                return max(arrivals[i] for i in ids)
+            if worker.poll() is not None:
+                raise RuntimeError(f"the streams worker exited with {worker.returncode}; see {work}/streams.log")
+            time.sleep(0.2)
+        return None
+
+    worker = None
+    reader = threading.Thread(target=read_episodes, daemon=True)
+    try:
+        ensure_topics(s)
+        now = int(time.time() * 1000)
+        completions, feedback = _pipeline_events(n, 1, now - 60_000, "load")
+        with EventProducer(s, codec) as producer:
+            for e in completions + feedback:
+                producer.publish(e)
+        print(f"  {n:,} completions and {n:,} feedback on the topics", file=sys.stderr)
+        reader.start()
+        t_start = time.perf_counter()
+        worker = subprocess.Popen([sys.executable, "-m", "infra.cli", "streams", "--guarantee", guarantee],
+                                  stdout=open(work / "streams.log", "ab"), stderr=subprocess.STDOUT,
+                                  env={**os.environ, **to_environ(s)})
+        ids = [f.event_id for f in feedback]
+        t_end = wait_for(ids, max(600.0, n / 20), "backlog")
+        if t_end is None:
+            raise RuntimeError(f"the worker did not finish {n:,} episodes in time; see {work}/streams.log")
+        t_first = min(arrivals[i] for i in ids)
+        throughput = (n - 1) / (t_end - t_first)
+        print(f"  backlog: {n:,} episodes, {throughput:,.0f}/s after a start-up of {t_first - t_start:.1f}s",
+              file=sys.stderr)
+
+        # Live: each completion shortly before its feedback, feedback at ``rate`` per second.
+        m = int(rate * seconds)
+        completions, feedback = _pipeline_events(m, 2, int(time.time() * 1000), "live", 1000 / rate)
+        sent: dict[str, float] = {}
+        with EventProducer(s, codec) as producer:
+            t0 = time.perf_counter()
+            for i, (c, f) in enumerate(zip(completions, feedback)):
+                target = t0 + i / rate
+                if (pause := target - time.perf_counter()) > 0:
+                    time.sleep(pause)
+                producer.publish(c)
+                sent[f.event_id] = time.perf_counter()
+                producer.publish(f)
+                producer._producer.poll(0)
+            achieved = m / (time.perf_counter() - t0)
+        done = wait_for(list(sent), 60 + seconds * 10, "live")
+        latencies = [(arrivals[i] - t) * 1000 for i, t in sent.items() if i in arrivals]
+        print(f"  live: {len(latencies):,}/{m:,} episodes at {achieved:,.0f} feedback/s", file=sys.stderr)
+    finally:
+        stop_reading.set()
+        if worker is not None:
+            worker.terminate()
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        broker.stop()
+    lat = _percentiles(latencies)
+    return _emit({"bench": "pipeline", "guarantee": guarantee, "partitions": s.topic_partitions,
+                  "backlog_episodes": n, "episodes_per_s": round(throughput),
+                  "worker_startup_s": round(t_first - t_start, 1),
+                  "feedback_rate_per_s": round(achieved), "live_episodes": len(latencies), "live_complete": done is not None,
+                  "latency_ms_p50": lat.get("p50"), "latency_ms_p99": lat.get("p99"),
+                  "goal": {"episodes_per_s": 5000, "latency_ms_p99": 500, "at_feedback_per_s": 1000}})

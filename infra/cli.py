@@ -376,6 +376,23 @@ def bench_kafka(ctx: click.Context, n: int, partitions: int) -> None:
     run(s, n, partitions)
 
 
+@bench.command("pipeline")
+@click.option("--events", "n", type=click.IntRange(min=100), default=20_000, show_default=True,
+              help="Completions (and as many feedback events) in the backlog phase.")
+@click.option("--rate", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Feedback events per second in the live phase.")
+@click.option("--seconds", type=click.FloatRange(min=1), default=20, show_default=True,
+              help="Length of the live phase.")
+@click.option("--guarantee", type=click.Choice(["exactly_once", "at_least_once"]), default="exactly_once",
+              show_default=True)
+@click.pass_context
+def bench_pipeline(ctx: click.Context, n: int, rate: int, seconds: float, guarantee: str) -> None:
+    """Episodes/s of one streams worker and feedback→episode latency (starts a broker of its own)."""
+    from infra.bench import bench_pipeline as run
+
+    run(_settings(ctx), n=n, rate=rate, seconds=seconds, guarantee=guarantee)
+
+
 @bench.command("serving")
 @click.option("--clients", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--requests", "per_client", type=click.IntRange(min=1), default=12, show_default=True,

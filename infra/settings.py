@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 ENV_PREFIX = "TABLOOP_"
 CONFIG_VAR = "TABLOOP_CONFIG"
 DEFAULT_CONFIG_FILE = "tabloop.yaml"
+REFERENCE_JUDGE_VARS = {"LLMASJUDGE_API_URL": "judge_api_url", "LLMASJUDGE_API_KEY": "judge_api_key",
+                        "LLMASJUDGE_MODEL": "judge_model"}
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 
@@ -67,6 +69,16 @@ class Settings(BaseModel):
     keep_unmatched: bool = Field(True, description="unmatched and cache-hit feedback become off-policy episodes")
     idle_close_s: float = Field(300, ge=0, description="idle partitions close windows by wall clock minus this")
     reward_spec_file: Path | None = Field(None, description="YAML reward specs (default and per project)")
+    judge_api_url: str = Field("", description="LLM judge: base URL of an OpenAI-compatible API (or LLMASJUDGE_API_URL)")
+    judge_api_key: str = Field("", description="LLM judge: API key (or LLMASJUDGE_API_KEY)", repr=False)
+    judge_model: str = Field("", description="LLM judge: model name (or LLMASJUDGE_MODEL)")
+    judge_timeout_s: float = Field(30, gt=0, description="LLM judge: per-request timeout")
+    judge_max_concurrency: int = Field(8, ge=1, description="LLM judge: requests in flight at once")
+    tests_file: Path | None = Field(None, description="JSONL tasks with unit tests ({prompt|prompt_sha256, tests}) "
+                                                      "for the tests scorer")
+    tests_timeout_s: float = Field(10, gt=0, description="tests scorer: wall-clock limit per run")
+    tests_memory_mb: int = Field(512, ge=16, description="tests scorer: address-space limit per run")
+    scoring_concurrency: int = Field(8, ge=1, description="episodes being scored (judge, tests) at once per worker")
 
     # -- history (streams/history.py): ClickHouse, SQL over HTTP, the dashboard --
     history_database: str = Field("tabloop", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
@@ -89,7 +101,7 @@ class Settings(BaseModel):
             raise ValueError(f"expected host:port[,host:port…], got {v!r}")
         return ",".join(servers)
 
-    @field_validator("exploration_temperature", "reward_spec_file", mode="before")
+    @field_validator("exploration_temperature", "reward_spec_file", "tests_file", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
         return None if v == "" else v
@@ -181,6 +193,13 @@ def load_settings(environ: Mapping[str, str] | None = None, config_file: Path | 
         for key, value in _read_yaml(path).items():
             values[key] = value
             origin[key] = f"{key} in {path}"
+
+    # The reference recipe's judge variables, so its users' environments work as they are;
+    # TABLOOP_JUDGE_* (below) win over them.
+    for name, field in REFERENCE_JUDGE_VARS.items():
+        if environ.get(name):
+            values[field] = environ[name]
+            origin[field] = name
 
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name == CONFIG_VAR:

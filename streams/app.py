@@ -16,13 +16,18 @@ produces the same event ids (consumers deduplicate by event_id).
 
 from __future__ import annotations
 
+import asyncio
+import heapq
 import json
 import logging
 import time
-from datetime import datetime
+from collections import defaultdict
+from datetime import datetime, timezone
 
 import faust
 from confluent_kafka import Producer
+from faust import current_event
+from faust.transport.consumer import TransactionManager
 
 from infra.bus import make_codec
 from infra.settings import Settings
@@ -31,6 +36,7 @@ from schemas.events import Event, new_event
 from schemas.topics import COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK
 from streams.join import EpisodeJoiner, JoinConfig, PromptMatcher, millis
 from streams.rewards import RewardSpecs
+from streams.scoring import Scorers, rescored
 
 log = logging.getLogger("tabloop.streams")
 APP_ID = "tabloop-streams"
@@ -41,17 +47,124 @@ def plain(record: dict) -> dict:
     return {k: millis(v) if isinstance(v, datetime) else v for k, v in record.items()}
 
 
+class TransactionalTable(faust.Table):
+    """A Faust table whose changelog writes wait for the agent to send them inside its transaction.
+
+    Stock Faust queues changelog writes in a producer buffer that a background task drains, so a
+    commit can carry an event's offset without its state change (or the reverse). Here every write
+    is held in ``app.tabloop_pending`` and sent by ``TransactionalProcessing`` before the event
+    counts as processed: state, outputs and offsets commit together or not at all.
+    """
+
+    def on_key_set(self, key, value) -> None:
+        self.app.tabloop_pending.append((self, self.partition_for_key(key), key, value, None))
+
+    def on_key_del(self, key) -> None:
+        self.app.tabloop_pending.append((self, self.partition_for_key(key), key, None, "raw"))
+
+
+class SourceBoundTransactions(TransactionManager):
+    """Exactly-once that holds when outputs go to other partitions than their input came from.
+
+    Faust picks the transaction of a send by the *destination* partition, but commits a source
+    partition's offsets in the transaction of the *source* partition. Every send of a repartition
+    then sits in a transaction that commits on another schedule than its input's offset, and a
+    SIGKILL between the two replays input whose output is already out: duplicates. Here a send
+    made while processing an event joins that event's source-partition transaction, and a commit
+    waits until no event is half-processed.
+    """
+
+    async def send(self, topic, key, value, partition, timestamp, headers, *, transactional_id=None):
+        event = current_event()
+        if event is None:  # not inside an agent: Faust's own rule
+            return await super().send(topic, key, value, partition, timestamp, headers)
+        source = event.message.tp
+        group = self.app.assignor.group_for_topic(source.topic)
+        return await self.producer.send(
+            topic, key, value, self.consumer.key_partition(topic, key, partition), timestamp, headers,
+            transactional_id=f"{self.app.conf.id}-{group}-{source.partition}")
+
+    async def commit(self, offsets, start_new_transaction: bool = True) -> bool:
+        async with self.app.tabloop_processing:
+            return await super().commit(offsets, start_new_transaction=start_new_transaction)
+
+
+class StreamsApp(faust.App):
+    def _new_transport(self):
+        transport = super()._new_transport()
+        transport.TransactionManager = SourceBoundTransactions
+        return transport
+
+
+class ExpiryIndex:
+    """When each table key next needs looking at, per partition, so a tick touches only keys that are due.
+
+    Lives in memory only: after a start or a rebalance the first tick of a partition rebuilds it from
+    the (restored) table.
+    """
+
+    def __init__(self) -> None:
+        self.heaps: dict[int, list[tuple[int, bytes]]] = defaultdict(list)
+        self.due: dict[bytes, int] = {}
+        self.built: set[int] = set()
+
+    def schedule(self, partition: int, key: bytes, deadline: int | None) -> None:
+        if deadline is None:
+            self.due.pop(key, None)
+        elif self.due.get(key) != deadline:
+            self.due[key] = deadline
+            heapq.heappush(self.heaps[partition], (deadline, key))
+
+    def pop_due(self, partition: int, now: int) -> list[bytes]:
+        heap, out = self.heaps[partition], []
+        while heap and heap[0][0] <= now:
+            deadline, key = heapq.heappop(heap)
+            if self.due.get(key) == deadline:  # else superseded by a later schedule()
+                del self.due[key]
+                out.append(key)
+        return out
+
+    def reset(self) -> None:
+        self.heaps.clear()
+        self.due.clear()
+        self.built.clear()
+
+
+def prompt_deadline(state: dict, config: JoinConfig) -> int | None:
+    """When a prompt key's state next changes by time alone: a wait ends or a candidate leaves the window."""
+    times = [fb["received_at"] + config.max_lateness_ms for fb in state.get("waiting", [])]
+    times += [c["served_at"] + config.match_window_ms + config.max_lateness_ms + 1
+              for c in state.get("candidates", [])]
+    return min(times) if times else None
+
+
+def completion_deadline(state: dict, config: JoinConfig) -> int | None:
+    """When a completion key's state next changes by time alone: its TTL, an early feedback's wait, or
+    (closed) when it is forgotten."""
+    if state.get("closed"):
+        return state.get("served_at", 0) + 2 * config.completion_ttl_ms + 1
+    times = [fb["received_at"] + config.max_lateness_ms for fb in state.get("early", [])]
+    if state.get("completion"):
+        times.append(state["completion"]["served_at"] + config.completion_ttl_ms)
+    return min(times) if times else None
+
+
 def build_app(settings: Settings, specs: RewardSpecs | None = None, config: JoinConfig | None = None,
-              *, app_id: str = APP_ID, guarantee: str = "exactly_once") -> faust.App:
+              *, app_id: str = APP_ID, guarantee: str = "exactly_once", scorers: Scorers | None = None) -> faust.App:
     specs = specs or (RewardSpecs.from_yaml(settings.reward_spec_file) if settings.reward_spec_file else RewardSpecs())
     config = config or JoinConfig.from_settings(settings)
+    scorers = scorers or Scorers.from_settings(settings)
     codec = make_codec(settings)
-    app = faust.App(
+    app = StreamsApp(
         app_id, broker=[f"kafka://{s}" for s in settings.kafka_bootstrap.split(",")], store="memory://",
         processing_guarantee=guarantee, topic_partitions=settings.topic_partitions,
         topic_replication_factor=settings.topic_replication, web_enabled=False, key_serializer="raw",
         value_serializer="json", consumer_auto_offset_reset="earliest", datadir=str(settings.state_dir / "streams"),
+        Table=TransactionalTable,
+        producer_linger_ms=5,  # batch the many small sends of a repartition into few produce requests
     )
+    app.tabloop_processing = processing = asyncio.Lock()
+    app.tabloop_pending = pending = []
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     completions_in = app.topic(COMPLETIONS.name, **raw)
     feedback_in = app.topic(FEEDBACK.name, **raw)
@@ -60,14 +173,21 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     by_prompt = app.topic(f"{app_id}-by-prompt", internal=True, key_serializer="raw", value_serializer="json")
     by_completion = app.topic(f"{app_id}-by-completion", internal=True, key_serializer="raw",
                               value_serializer="json")
+    to_score = app.topic(f"{app_id}-to-score", internal=True, key_serializer="raw", value_serializer="json")
     table = dict(default=dict, partitions=settings.topic_partitions, key_type=bytes)  # values: JSON dicts
     prompt_state = app.Table("prompt-state", **table)
     completion_state = app.Table("completion-state", **table)
+    due = {"prompt": ExpiryIndex(), "completion": ExpiryIndex()}
     app.tabloop_counts = counts = EpisodeJoiner().counts
     # Event time per (stage, partition): expiry follows the events, so a worker that lags behind never
     # closes a window early. After ``idle_close_ms`` without events, a partition's clock moves on with
     # the wall clock, so the last windows close even when nothing new arrives.
     clocks: dict[tuple[str, int], tuple[int, float]] = {}
+
+    @app.on_partitions_assigned.connect
+    async def forget_expiry_index(sender, *args, **kwargs) -> None:
+        for index in due.values():
+            index.reset()
 
     def advance(stage: str, partition: int, record: dict, field: str) -> None:
         t = millis(record[field]) if record.get(field) is not None else 0
@@ -84,7 +204,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         counts["dead_letters"] += 1
         msg = event.message
         dl = new_event("DeadLetter", source_topic=msg.topic, source_partition=msg.partition,
-                       source_offset=msg.offset, raw=bytes(event.value or b""), error=f"{type(error).__name__}: {error}",
+                       source_offset=msg.offset, raw=bytes(msg.value or b""), error=f"{type(error).__name__}: {error}",
                        consumer=app_id)
         await deadletter_out.send(key=dl.key.encode(), value=codec.encode(dl))
 
@@ -98,37 +218,91 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         return plain(e.record)
 
     async def emit(episode: Event) -> None:
+        """Publish an episode, or first have it scored when its project's spec weighs judge or tests."""
+        record = plain(episode.record)
+        wanted = scorers.wanted(specs.for_project(record["project_id"]), record)
+        if wanted:
+            counts["to_score"] += 1
+            await to_score.send(key=episode.key.encode(), value={"episode": record, "wanted": wanted})
+            return
         counts["episodes_out"] += 1
         await episodes_out.send(key=episode.key.encode(), value=codec.encode(episode))
 
+    async def each_event(stream, handle, prepare=None) -> None:
+        """Run ``handle`` on every event as one unit: its sends and table writes go out in the
+        transaction of its source partition, the event is acked, and no commit cuts into it.
+
+        ``prepare`` (slow work without side effects, such as asking the judge) runs first, outside
+        the unit, so that other agents go on meanwhile; its result is handed to ``handle``.
+        """
+        async for event in stream.events():
+            prepared = await prepare(event) if prepare is not None else None
+            async with processing:
+                try:
+                    await (handle(event) if prepare is None else handle(event, prepared))
+                except Exception as exc:  # a bug or a poison record must not stall the stream
+                    log.exception("could not process %s[%d]@%d", event.message.topic, event.message.partition,
+                                  event.message.offset)
+                    await dead_letter(event, exc)
+                for tbl, partition, key, value, value_serializer in pending:
+                    await tbl.changelog_topic.send(key=key, value=value, partition=partition,
+                                                   key_serializer=tbl.key_serializer,
+                                                   value_serializer=value_serializer or tbl.value_serializer)
+                pending.clear()
+                event.ack()  # inside the unit: a commit takes its offset together with its effects
+
     # -- routing: decode, check, re-key ---------------------------------------------------------
+
+    async def route_completion(event) -> None:
+        rec = decoded(event, "CompletionServed")
+        if isinstance(rec, Exception):
+            return await dead_letter(event, rec)
+        await by_completion.send(key=rec["completion_id"].encode(), value={"kind": "completion", "record": rec})
+        # The matcher needs only who, when and what text: not the token ids and logprobs.
+        await by_prompt.send(key=_prompt_key(rec), value={"kind": "completion", "record": {
+            k: rec[k] for k in ("completion_id", "served_at", "completion_text", "project_id", "user_id",
+                                "prompt_sha256")}})
+
+    async def route_one_feedback(event) -> None:
+        fb = decoded(event, "FeedbackReceived")
+        if isinstance(fb, Exception):
+            return await dead_letter(event, fb)
+        if fb.get("completion_id") is None and fb.get("prompt_sha256") is None:
+            counts["no_code"] += 1  # level: noCode — analytics only, never trained on
+        elif fb.get("cache_hit"):
+            await by_completion.send(key=_identity_key(fb), value={"kind": "unmatched", "record": fb,
+                                                                   "why": "cache_hits"})
+        elif fb.get("completion_id"):
+            await by_completion.send(key=fb["completion_id"].encode(), value={"kind": "feedback", "record": fb})
+        else:
+            await by_prompt.send(key=_prompt_key(fb), value={"kind": "feedback", "record": fb})
 
     @app.agent(completions_in)
     async def route_completions(stream):
-        async for event in stream.events():
-            rec = decoded(event, "CompletionServed")
-            if isinstance(rec, Exception):
-                await dead_letter(event, rec)
-                continue
-            await by_completion.send(key=rec["completion_id"].encode(), value={"kind": "completion", "record": rec})
-            await by_prompt.send(key=_prompt_key(rec), value={"kind": "completion", "record": rec})
+        await each_event(stream, route_completion)
 
     @app.agent(feedback_in)
     async def route_feedback(stream):
-        async for event in stream.events():
-            fb = decoded(event, "FeedbackReceived")
-            if isinstance(fb, Exception):
-                await dead_letter(event, fb)
-                continue
-            if fb.get("completion_id") is None and fb.get("prompt_sha256") is None:
-                counts["no_code"] += 1  # level: noCode — analytics only, never trained on
-            elif fb.get("cache_hit"):
-                await by_completion.send(key=_identity_key(fb), value={"kind": "unmatched", "record": fb,
-                                                                       "why": "cache_hits"})
-            elif fb.get("completion_id"):
-                await by_completion.send(key=fb["completion_id"].encode(), value={"kind": "feedback", "record": fb})
-            else:
-                await by_prompt.send(key=_prompt_key(fb), value={"kind": "feedback", "record": fb})
+        await each_event(stream, route_one_feedback)
+
+    def time_field(value: dict) -> str:
+        return "served_at" if value["kind"] == "completion" else "received_at"
+
+    async def on_tick(stage: str, state_table, event, expire_key) -> None:
+        """Expire the keys of this partition that are due (the tick's partition: a table write is
+        logged to the partition being processed)."""
+        partition = event.message.partition
+        index = due[stage]
+        if partition not in index.built:
+            deadline_of = prompt_deadline if stage == "prompt" else completion_deadline
+            for key, state in state_table.items():
+                if state.get("p") == partition:
+                    index.schedule(partition, key, deadline_of(state, config))
+            index.built.add(partition)
+        now = now_for(stage, partition, event.value["now"])
+        for key in index.pop_due(partition, now):
+            if key in state_table:
+                await expire_key(key, partition, now)
 
     # -- stage A: match feedback without our id to a completion --------------------------------------
 
@@ -142,42 +316,40 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         k = _prompt_tuple(key)
         candidates, waiting = m.candidates.get(k, []), m.waiting.get(k, [])
         if candidates or waiting:
-            prompt_state[key] = {"candidates": candidates, "waiting": waiting, "t": m.stream_time, "p": partition}
+            state = {"candidates": candidates, "waiting": waiting, "t": m.stream_time, "p": partition}
+            prompt_state[key] = state
+            due["prompt"].schedule(partition, key, prompt_deadline(state, config))
         elif key in prompt_state:
             del prompt_state[key]
+            due["prompt"].schedule(partition, key, None)
+
+    async def match_one(event) -> None:
+        key, value, partition = event.key, event.value, event.message.partition
+        if value["kind"] == "tick":
+            return await on_tick("prompt", prompt_state, event, expire_prompt)
+        m = matcher_for(key)
+        rec = value["record"]
+        advance("prompt", partition, rec, time_field(value))
+        if value["kind"] == "completion":
+            for cid, fb in m.on_completion(rec):
+                await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": fb})
+        else:
+            cid = m.on_feedback(rec)
+            if cid is not None:
+                await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": rec})
+        save_matcher(key, m, partition)
+
+    async def expire_prompt(key: bytes, partition: int, now: int) -> None:
+        m = matcher_for(key)
+        m.stream_time = max(m.stream_time, now)
+        for fb in m.expire():
+            await by_completion.send(key=_identity_key(fb), value={"kind": "unmatched", "record": fb,
+                                                                   "why": "unmatched"})
+        save_matcher(key, m, partition)
 
     @app.agent(by_prompt)
     async def match(stream):
-        async for event in stream.events():
-            key, value, partition = event.key, event.value, event.message.partition
-            if value["kind"] == "tick":
-                await expire_prompts(partition, now_for("prompt", partition, value["now"]))
-                continue
-            m = matcher_for(key)
-            rec = value["record"]
-            advance("prompt", partition, rec, "served_at" if value["kind"] == "completion" else "received_at")
-            if value["kind"] == "completion":
-                for cid, fb in m.on_completion(rec):
-                    await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": fb})
-            else:
-                cid = m.on_feedback(rec)
-                if cid is not None:
-                    await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": rec})
-            save_matcher(key, m, partition)
-
-    async def expire_prompts(partition: int, now: int) -> None:
-        # Only this partition's keys: a table write is logged to the partition being processed.
-        for key, state in [(k, v) for k, v in prompt_state.items() if v.get("p") == partition]:
-            m = matcher_for(key)
-            m.stream_time = max(m.stream_time, now)
-            k = _prompt_tuple(key)
-            sizes = (len(m.candidates.get(k, [])), len(m.waiting.get(k, [])))
-            for fb in m.expire():
-                await by_completion.send(key=_identity_key(fb), value={"kind": "unmatched", "record": fb,
-                                                                       "why": "unmatched"})
-            # Write only what changed: every write is a changelog record a restart must replay.
-            if (len(m.candidates.get(k, [])), len(m.waiting.get(k, []))) != sizes:
-                save_matcher(key, m, partition)
+        await each_event(stream, match_one)
 
     # -- stage B: one episode per completion ----------------------------------------------------------
 
@@ -204,43 +376,64 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         if j.early.get(cid):
             state["early"] = j.early[cid]
         completion_state[key] = state
+        due["completion"].schedule(partition, key, completion_deadline(state, config))
+
+    async def join_one(event) -> None:
+        key, value, partition = event.key, event.value, event.message.partition
+        if value["kind"] == "tick":
+            return await on_tick("completion", completion_state, event, expire_completion)
+        j = joiner_for(key)
+        rec = value["record"]
+        advance("completion", partition, rec, time_field(value))
+        if value["kind"] == "completion":
+            episodes = j.on_completion(rec)
+        elif value["kind"] == "feedback":
+            episodes = [ep] if (ep := j.on_feedback(key.decode(), rec)) else []
+        else:  # unmatched / cache hit, keyed by the feedback's identity so repeats dedupe here
+            episodes = [ep] if (ep := j.unmatched(rec, value["why"])) else []
+            j.closed[key.decode()] = millis(rec["received_at"])
+        save_joiner(key, j, partition)
+        for ep in episodes:
+            await emit(ep)
+
+    async def expire_completion(key: bytes, partition: int, now: int) -> None:
+        state = completion_state[key]
+        if state.get("closed"):
+            if state.get("served_at", now) < now - 2 * config.completion_ttl_ms:
+                del completion_state[key]
+            else:
+                due["completion"].schedule(partition, key, completion_deadline(state, config))
+            return
+        j = joiner_for(key)
+        j.stream_time = max(j.stream_time, now)
+        episodes = j.expire()
+        save_joiner(key, j, partition)
+        for ep in episodes:
+            await emit(ep)
 
     @app.agent(by_completion)
     async def join(stream):
-        async for event in stream.events():
-            key, value, partition = event.key, event.value, event.message.partition
-            if value["kind"] == "tick":
-                await expire_completions(partition, now_for("completion", partition, value["now"]))
-                continue
-            j = joiner_for(key)
-            rec = value["record"]
-            advance("completion", partition, rec, "served_at" if value["kind"] == "completion" else "received_at")
-            if value["kind"] == "completion":
-                episodes = j.on_completion(rec)
-            elif value["kind"] == "feedback":
-                episodes = [ep] if (ep := j.on_feedback(key.decode(), rec)) else []
-            else:  # unmatched / cache hit, keyed by the feedback's identity so repeats dedupe here
-                episodes = [ep] if (ep := j.unmatched(rec, value["why"])) else []
-                j.closed[key.decode()] = millis(rec["received_at"])
-            save_joiner(key, j, partition)
-            for ep in episodes:
-                await emit(ep)
+        await each_event(stream, join_one)
 
-    async def expire_completions(partition: int, now: int) -> None:
-        horizon = now - 2 * config.completion_ttl_ms
-        for key, state in [(k, v) for k, v in completion_state.items() if v.get("p") == partition]:
-            if state.get("closed"):
-                if state.get("served_at", now) < horizon:
-                    del completion_state[key]
-                continue
-            j = joiner_for(key)
-            j.stream_time = max(j.stream_time, now)
-            sizes = (len(j.open), len(j.early))
-            episodes = j.expire()
-            if (len(j.open), len(j.early)) != sizes:  # only changes reach the changelog
-                save_joiner(key, j, partition)
-            for ep in episodes:
-                await emit(ep)
+    # -- stage C (only for specs that weigh judge or tests): score, then publish ---------------------------
+
+    async def score_one(event) -> tuple[dict, dict]:
+        episode, wanted = event.value["episode"], event.value["wanted"]
+        return await scorers.score(specs.for_project(episode["project_id"]), episode, wanted)
+
+    async def publish_scored(event, scores: tuple[dict, dict]) -> None:
+        episode = event.value["episode"]
+        record = rescored(episode, specs.for_project(episode["project_id"]), *scores)
+        record["joined_at"] = datetime.fromtimestamp(record["joined_at"] / 1000, timezone.utc)
+        for component in scores[1]:
+            counts[f"scoring_errors_{component}"] += 1
+        counts["episodes_out"] += 1
+        scored = Event("Episode", record)
+        await episodes_out.send(key=scored.key.encode(), value=codec.encode(scored))
+
+    @app.agent(to_score, concurrency=scorers.concurrency)
+    async def score(stream):
+        await each_event(stream, publish_scored, prepare=score_one)
 
     # -- time: a tick into every partition, so expiry happens inside stream processing -------------------
     # Ticks go out through a plain (non-transactional) Kafka producer: a Faust send from a timer would run

@@ -1,0 +1,154 @@
+"""Scorers beyond the user's decision: the LLM judge and unit tests, as reward components of an episode.
+
+A project's reward spec weighs components (``streams.rewards``). When it gives
+weight to ``judge`` or ``tests`` and the scorer can say something about the
+episode, the streams worker scores the episode before publishing it:
+
+- ``judge``: the judge's 0–10 score of (prefix, completion, suffix), for matched
+  episodes whose prompt is a FIM prompt;
+- ``tests``: prefix + completion + suffix followed by the task's tests, run in the
+  sandbox, for prompts listed in the tests file (``TABLOOP_TESTS_FILE``).
+
+Both land on the acceptance scale of the spec (0 → ``rejected``, 1 → ``accepted``)
+so that a weighted mean of components means something. A scorer that fails
+(a malformed judge answer, an API that keeps refusing, a sandbox that cannot
+start) records its error in ``scoring_errors`` and its weight is left out of the
+reward: never a crash, never a silent default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from serving.fim import parse_prompt
+from streams.judge import JudgeClient, JudgeConfig
+from streams.rewards import RewardSpec, composite_reward
+from streams.sandbox import run_tests
+
+EXTRA_COMPONENTS = ("judge", "tests")
+
+
+def on_acceptance_scale(spec: RewardSpec, fraction: float) -> float:
+    """A 0..1 score as a reward comparable with the acceptance component: 0 → rejected, 1 → accepted."""
+    f = min(max(fraction, 0.0), 1.0)
+    return spec.rejected + (spec.accepted - spec.rejected) * f
+
+
+def judge_component(spec: RewardSpec, score_0_to_10: float) -> float:
+    return on_acceptance_scale(spec, score_0_to_10 / 10.0)
+
+
+def unit_tests_component(spec: RewardSpec, passed: bool) -> float:
+    return spec.accepted if passed else spec.rejected
+
+
+def rescored(episode: dict, spec: RewardSpec, extra: dict[str, float], errors: dict[str, str]) -> dict:
+    """The episode record with the extra components, its reward recomputed, the scorers named."""
+    components = {**episode["reward_components"], **extra}
+    return {**episode, "reward_components": components,
+            "reward": composite_reward(spec, components, len(episode["completion_token_ids"])),
+            "scorer": "+".join(sorted(components, key=lambda c: (c != "acceptance", c))),
+            "scoring_errors": {**episode.get("scoring_errors", {}), **errors}}
+
+
+class UnitTestsIndex:
+    """Unit tests by prompt: a JSONL file of ``{"prompt" or "prompt_sha256": …, "tests": "<python>"}``."""
+
+    def __init__(self, tests_by_sha: dict[str, str]):
+        self.tests_by_sha = tests_by_sha
+
+    @classmethod
+    def from_jsonl(cls, path: Path) -> "UnitTestsIndex":
+        tests: dict[str, str] = {}
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"tests file {path}: {exc}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"tests file {path} line {n}: not JSON ({exc})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("tests"), str):
+                raise ValueError(f"tests file {path} line {n}: needs a \"tests\" string")
+            sha = row.get("prompt_sha256") or (
+                hashlib.sha256(row["prompt"].encode()).hexdigest() if isinstance(row.get("prompt"), str) else None)
+            if sha is None:
+                raise ValueError(f"tests file {path} line {n}: needs \"prompt\" or \"prompt_sha256\"")
+            tests[sha] = row["tests"]
+        return cls(tests)
+
+    def for_prompt(self, prompt: str) -> str | None:
+        return self.tests_by_sha.get(hashlib.sha256(prompt.encode()).hexdigest())
+
+
+@dataclass
+class Scorers:
+    """The judge and the tests runner a worker scores with; either may be absent (not configured)."""
+
+    judge: JudgeClient | None = None
+    tests: UnitTestsIndex | None = None
+    tests_timeout_s: float = 10.0
+    tests_memory_bytes: int = 512 * 2**20
+    concurrency: int = 8
+    _slots: asyncio.Semaphore | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_settings(cls, settings) -> "Scorers":
+        judge = None
+        if settings.judge_api_url or settings.judge_model:
+            judge = JudgeClient(JudgeConfig(api_url=settings.judge_api_url, api_key=settings.judge_api_key,
+                                            model=settings.judge_model, timeout_s=settings.judge_timeout_s,
+                                            max_concurrency=settings.judge_max_concurrency))
+        tests = UnitTestsIndex.from_jsonl(settings.tests_file) if settings.tests_file else None
+        return cls(judge, tests, settings.tests_timeout_s, settings.tests_memory_mb * 2**20,
+                   settings.scoring_concurrency)
+
+    def wanted(self, spec: RewardSpec, episode: dict) -> list[str]:
+        """The extra components this episode should get under ``spec`` (empty: publish it as it is)."""
+        if not episode["matched"] or not parse_prompt(episode["prompt"]).is_fim:
+            return []
+        out = []
+        if spec.weights.get("judge", 0) > 0 and self.judge is not None:
+            out.append("judge")
+        if spec.weights.get("tests", 0) > 0 and self.tests is not None and self.tests.for_prompt(episode["prompt"]):
+            out.append("tests")
+        return out
+
+    async def score(self, spec: RewardSpec, episode: dict, wanted: list[str]) -> tuple[dict, dict]:
+        """(components, errors) for the ``wanted`` components of one episode."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.concurrency)
+        parsed = parse_prompt(episode["prompt"])
+        prefix, suffix, text = parsed.prefix or "", parsed.suffix or "", episode["completion_text"]
+        components, errors = {}, {}
+        async with self._slots:
+            if "judge" in wanted:
+                result = await self.judge.score(prefix, suffix, text)
+                if result.ok:
+                    components["judge"] = judge_component(spec, result.score)
+                else:
+                    errors["judge"] = result.error or "no score"
+            if "tests" in wanted:
+                program = f"{prefix}{text}{suffix}\n\n{self.tests.for_prompt(episode['prompt'])}\n"
+                try:
+                    result = await asyncio.to_thread(run_tests, program, timeout_s=self.tests_timeout_s,
+                                                     memory_bytes=self.tests_memory_bytes)
+                except Exception as exc:  # the sandbox itself failed: no score, say why
+                    errors["tests"] = f"{type(exc).__name__}: {exc}"
+                else:
+                    if result.outcome == "error":
+                        errors["tests"] = f"sandbox: {result.stderr[-300:]}"
+                    else:
+                        components["tests"] = unit_tests_component(spec, result.passed)
+        return components, errors
+
+    async def aclose(self) -> None:
+        if self.judge is not None:
+            await self.judge.aclose()
