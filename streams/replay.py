@@ -129,6 +129,30 @@ def derive_episodes(records: Iterable[tuple[str, dict]], specs: RewardSpecs | No
     return out
 
 
+def score_episodes(episodes: list[Event], specs: RewardSpecs, scorers) -> list[Event]:
+    """Episodes with the judge and tests components their project's spec weighs, as the streams worker
+    adds them (``streams.scoring``); episodes no scorer applies to come back as they are."""
+    import asyncio
+
+    from streams.scoring import rescored
+
+    async def one(e: Event) -> Event:
+        spec = specs.for_project(e.record["project_id"])
+        wanted = scorers.wanted(spec, e.record)
+        if not wanted:
+            return e
+        components, errors = await scorers.score(spec, e.record, wanted)
+        return Event(e.type, rescored(e.record, spec, components, errors))
+
+    async def all_of() -> list[Event]:
+        try:
+            return list(await asyncio.gather(*(one(e) for e in episodes)))
+        finally:
+            await scorers.aclose()
+
+    return asyncio.run(all_of())
+
+
 def keep_versions(episodes: Iterable[Event], versions: tuple[int, ...]) -> list[Event]:
     if not versions:
         return list(episodes)
@@ -244,8 +268,12 @@ def publish_episodes(settings: Settings, topic: str, episodes: list[Event]) -> N
 
 
 def replay(settings: Settings, source: str, selection: Selection, topic: str | None,
-           specs: RewardSpecs | None = None, sql_client=None) -> dict:
-    """Derive the selection's episodes and publish them to ``topic`` (None: derive only). Returns a summary."""
+           specs: RewardSpecs | None = None, sql_client=None, scorers=None) -> dict:
+    """Derive the selection's episodes and publish them to ``topic`` (None: derive only). Returns a summary.
+
+    Scorers (the judge, unit tests) come from the settings unless given; they score the episodes whose
+    spec weighs them. Unit tests give the same scores from either source; a judge is an outside model.
+    """
     if topic is not None:
         check_target(topic)
     if specs is None:
@@ -260,6 +288,11 @@ def replay(settings: Settings, source: str, selection: Selection, topic: str | N
         raise ValueError(f"source must be clickhouse or kafka, not {source!r}")
     pipeline_config = JoinConfig.from_settings(settings)
     episodes = keep_versions(derive_episodes(records, specs, pipeline_config), selection.policy_versions)
+    if scorers is None:
+        from streams.scoring import Scorers
+
+        scorers = Scorers.from_settings(settings)
+    episodes = score_episodes(episodes, specs, scorers)
     if topic is not None:
         publish_episodes(settings, topic, episodes)
     counts: dict[str, int] = {}
@@ -268,4 +301,5 @@ def replay(settings: Settings, source: str, selection: Selection, topic: str | N
     return {"source": source, "topic": topic, "completions": counts.get("CompletionServed", 0),
             "feedback": counts.get("FeedbackReceived", 0), "episodes": len(episodes),
             "matched": sum(1 for e in episodes if e.record["matched"]),
+            "scored": sum(1 for e in episodes if e.record["scorer"] != "acceptance"),
             "reward_sum": round(sum(e.record["reward"] for e in episodes), 6)}

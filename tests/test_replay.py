@@ -173,3 +173,33 @@ def test_replay_refuses_what_it_cannot_do(history):
     with pytest.raises(ValueError, match="TOPIC:PARTITION:OFFSET"):
         parse_offset("nonsense")
     assert parse_offset(f"{FEEDBACK.name}:2:40") == ((FEEDBACK.name, 2), 40)
+
+
+def test_replay_scores_with_the_tests_its_spec_weighs(tmp_path):
+    """With a spec that weighs unit tests, replayed episodes get the tests component as the worker's do."""
+    from serving.fim import build_fim_prompt
+    from streams.replay import score_episodes
+    from streams.scoring import Scorers, UnitTestsIndex
+
+    prefix, suffix = "def add(a, b):\n    return ", "\n"
+    prompt = build_fim_prompt(prefix, suffix)
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    records = []
+    for i, text in enumerate(["a + b", "a - b"]):
+        cid = f"cmpl-score-{i}"
+        records.append(("CompletionServed", canonical("CompletionServed", new_event(
+            "CompletionServed", served_at=t0 + timedelta(seconds=i), completion_id=cid, project_id="p", user_id="u",
+            model="tiny", policy_version=1, prompt=prompt, prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(),
+            completion_text=text, completion_token_ids=[1], completion_logprobs=[-0.5], finish_reason="stop",
+            aborted=False, temperature=0.2, top_p=0.95, max_tokens=8, ttft_ms=1.0, latency_ms=2.0,
+            replica_id="r").record)))
+        records.append(("FeedbackReceived", canonical("FeedbackReceived", new_event(
+            "FeedbackReceived", received_at=t0 + timedelta(seconds=i + 1), project_id="p", user_id="u", source="api",
+            completion_id=cid, outcome="ACCEPTED", raw_payload="{}").record)))
+    specs = RewardSpecs(RewardSpec(weights={"acceptance": 0.5, "tests": 0.5}))
+    episodes = derive_episodes(records, specs)
+    index = UnitTestsIndex({hashlib.sha256(prompt.encode()).hexdigest(): "assert add(2, 3) == 5\n"})
+    scored = {e.record["completion_text"]: e.record for e in score_episodes(episodes, specs, Scorers(tests=index))}
+    assert scored["a + b"]["reward_components"] == {"acceptance": 0.75, "tests": 0.75}
+    assert scored["a - b"]["reward_components"] == {"acceptance": 0.75, "tests": -0.25}
+    assert scored["a - b"]["reward"] == pytest.approx(0.25) and scored["a - b"]["scorer"] == "acceptance+tests"
