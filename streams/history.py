@@ -240,6 +240,10 @@ def open_client(url: str):
     try:
         return clickhouse_connect.get_client(dsn=url)
     except Exception as exc:  # driver errors: connection refused, a second process on a chdb dir…
+        if url.startswith("chdb://") and "EmbeddedServer" in str(exc):
+            # chdb prints the reason (often "Cannot lock file …/status") to stderr, not into the exception.
+            raise HistoryError(f"cannot open {url}: {exc}. The embedded engine allows one process per "
+                               "directory: is `tabloop history` already running? Ask it with `tabloop sql`") from None
         raise HistoryError(f"cannot open ClickHouse at {url}: {exc}") from None
 
 
