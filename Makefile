@@ -38,6 +38,7 @@ drills: kafka-jars
 bench: kafka-jars
 	$(BIN)/tabloop bench codec
 	$(BIN)/tabloop bench kafka
+	$(BIN)/tabloop bench history
 
 clean:
 	rm -rf $(VENV) .tabloop

@@ -260,9 +260,19 @@ class EventConsumer:
         self._consumer = Consumer(conf)
         self._consumer.subscribe(list(topics))
 
-    def poll(self, max_messages: int = 500, timeout_s: float = 1.0) -> list[Received]:
+    def poll(self, max_messages: int = 500, timeout_s: float = 1.0,
+             errors: list[KafkaError] | None = None) -> list[Received]:
+        """Messages, decoded. A broker error raises, unless ``errors`` is given: then it is appended there
+        and the messages around it are still returned (raising would lose them: the position moved on)."""
         messages = self._consumer.consume(max_messages, timeout_s)
-        return [received for m in messages if (received := decode_message(self.codec, m)) is not None]
+        out = []
+        for m in messages:
+            if errors is not None and m.error() is not None and m.error().code() != KafkaError._PARTITION_EOF:
+                errors.append(m.error())
+                continue
+            if (received := decode_message(self.codec, m)) is not None:
+                out.append(received)
+        return out
 
     def commit(self, received: Iterable[Received] | None = None) -> None:
         """Synchronously commit the positions after ``received`` (or after all polled messages)."""

@@ -407,5 +407,14 @@ def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens:
     run(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
 
 
+# -- history: ClickHouse, SQL, dashboard, replay (streams/history_cli.py) ----------
+
+from streams import history_cli  # noqa: E402
+
+main.add_command(history_cli.history)
+main.add_command(history_cli.sql)
+main.add_command(history_cli.replay)
+bench.add_command(history_cli.bench_history)
+
 if __name__ == "__main__":
     sys.exit(main())

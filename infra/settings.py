@@ -83,6 +83,19 @@ class Settings(BaseModel):
     tests_memory_mb: int = Field(512, ge=16, description="tests scorer: address-space limit per run")
     scoring_concurrency: int = Field(8, ge=1, description="episodes being scored (judge, tests) at once per worker")
 
+    # -- history (streams/history.py): ClickHouse, SQL over HTTP, the dashboard --
+    history_database: str = Field("tabloop", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                  description="ClickHouse database of the history tables and views")
+    history_batch_size: int = Field(5000, ge=1, le=1_000_000, description="events per insert into ClickHouse")
+    history_batch_interval_s: float = Field(1.0, gt=0, le=300,
+                                            description="a partial batch is stored after this long")
+    history_retention_days: str = Field("completions=180,feedback=180,episodes=0,weights=0,deadletter=30",
+                                        description="days kept per table, TABLE=DAYS,… (0 or absent: forever)")
+    history_host: str = Field("127.0.0.1", description="address of the history SQL server and dashboard")
+    history_port: int = Field(8084, ge=0, le=65535, description="port of the history SQL server and dashboard")
+    history_token: str = Field("", description="Bearer token for SQL and the dashboard (empty: one is made "
+                                                 "and kept in the state dir)")
+
     @field_validator("kafka_bootstrap")
     @classmethod
     def _bootstrap(cls, v: str) -> str:
@@ -101,6 +114,14 @@ class Settings(BaseModel):
     def _clickhouse(cls, v: str) -> str:
         if v and not re.match(r"^(chdb://|https?://)", v):
             raise ValueError(f"expected chdb:///path or http(s)://host:port, got {v!r}")
+        return v
+
+    @field_validator("history_retention_days")
+    @classmethod
+    def _retention(cls, v: str) -> str:
+        from streams.history import parse_retention
+
+        parse_retention(v)
         return v
 
     @field_validator("schema_registry_url")
@@ -141,6 +162,10 @@ class Settings(BaseModel):
     @property
     def keys_file(self) -> Path:
         return self.state_dir / "keys.json"
+
+    @property
+    def history_token_file(self) -> Path:
+        return self.state_dir / "history.token"
 
 
 def env_var(field: str) -> str:

@@ -1,0 +1,610 @@
+"""The history sink: every tabloop topic into ClickHouse, exactly once per event.
+
+    tabloop.completions ─┐
+    tabloop.feedback ────┤                     ┌─ completions   (ReplacingMergeTree, by day, TTL)
+    tabloop.episodes ────┼─ HistorySink ──────▶├─ feedback      … one table per event type,
+    tabloop.weights ─────┤  (batched inserts,  ├─ episodes        columns generated from its Avro schema
+    tabloop.deadletter ──┘   commit after)     ├─ weights
+                                               ├─ deadletter
+                                               └─ rejects       (messages that did not decode)
+                           views: acceptance_by_version, acceptance, shown_vs_accepted,
+                                  latency, latency_by_day, reward_by_version
+
+The same code and SQL run against the embedded engine (``chdb:///dir``) and a
+ClickHouse server (``http://host:8123``), both through clickhouse-connect.
+
+Exactly once, without transactions across Kafka and ClickHouse:
+
+- Each row keeps where it came from (``_topic``, ``_partition``, ``_offset``).
+  Offsets are committed to Kafka only after a batch is stored, so a crash
+  between the insert and the commit re-delivers messages that are already
+  stored. When a partition's messages start at an offset the sink did not
+  expect (a fresh start, a rebalance), it asks the tables which offsets from
+  there on are stored and skips those. An insert interrupted half-way (one
+  day's part written, another's not) is covered too: the lookup is per offset.
+- The tables are ReplacingMergeTree ordered by a key ending in ``event_id``, and
+  the views read them with ``FINAL``: the same event published twice (a serving
+  spool replaying what Kafka did in fact take) counts once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable, Mapping
+
+from confluent_kafka import KafkaException
+
+from infra.settings import Settings
+from schemas.events import EVENT_TYPES, EventType
+from schemas.topics import CATALOG
+
+log = logging.getLogger("tabloop.history")
+
+GROUP_ID = "tabloop-history"
+TABLE_FOR_EVENT = {"CompletionServed": "completions", "FeedbackReceived": "feedback", "Episode": "episodes",
+                   "WeightVersion": "weights", "DeadLetter": "deadletter"}
+EVENT_FOR_TABLE = {t: e for e, t in TABLE_FOR_EVENT.items()}
+REJECTS = "rejects"
+# The sorting key (and so the deduplication key) of each table: a column most queries filter on,
+# then event_id. Every column before event_id is a function of the event, so duplicates of one
+# event always share the whole key and ReplacingMergeTree folds them.
+SORT_KEY = {"completions": ("project_id", "event_id"), "feedback": ("project_id", "event_id"),
+            "episodes": ("project_id", "event_id"), "weights": ("base_model", "event_id"),
+            "deadletter": ("source_topic", "event_id")}
+SOURCE_COLUMNS = (("_topic", "LowCardinality(String)"), ("_partition", "Int32"), ("_offset", "Int64"))
+# File extensions → language, for the acceptance view's language axis.
+LANGUAGES = {
+    "py": "python", "pyi": "python", "ts": "typescript", "tsx": "typescript", "js": "javascript",
+    "jsx": "javascript", "mjs": "javascript", "go": "go", "rs": "rust", "java": "java", "kt": "kotlin",
+    "c": "c", "h": "c", "cc": "cpp", "cpp": "cpp", "hpp": "cpp", "cs": "csharp", "rb": "ruby", "php": "php",
+    "swift": "swift", "scala": "scala", "sql": "sql", "sh": "shell", "md": "markdown", "html": "html",
+    "css": "css", "json": "json", "yaml": "yaml", "yml": "yaml", "toml": "toml",
+}
+
+
+class HistoryError(RuntimeError):
+    """ClickHouse can't be used as configured; the message says what and why."""
+
+
+# -- schema: tables generated from the Avro schemas ---------------------------------------------------
+
+
+def clickhouse_type(avro: Any) -> str:
+    """The ClickHouse column type that holds an Avro type exactly (pure; unions only with null)."""
+    if isinstance(avro, list):
+        others = [t for t in avro if t != "null"]
+        if len(others) != 1:
+            raise ValueError(f"only unions of null and one type map to a column, got {avro}")
+        inner = clickhouse_type(others[0])
+        return f"Nullable({inner})" if "null" in avro and not inner.startswith(("Array", "Map")) else inner
+    if isinstance(avro, dict):
+        if avro.get("logicalType") == "timestamp-millis":
+            return "DateTime64(3, 'UTC')"
+        kind = avro["type"]
+        if kind == "array":
+            return f"Array({clickhouse_type(avro['items'])})"
+        if kind == "map":
+            return f"Map(String, {clickhouse_type(avro['values'])})"
+        if kind == "enum":
+            return "LowCardinality(String)"
+        return clickhouse_type(kind)
+    primitive = {"string": "String", "bytes": "String", "long": "Int64", "int": "Int32", "double": "Float64",
+                 "float": "Float32", "boolean": "Bool"}
+    try:
+        return primitive[avro]
+    except KeyError:
+        raise ValueError(f"no ClickHouse column type for Avro type {avro!r}") from None
+
+
+def event_columns(et: EventType) -> list[tuple[str, str]]:
+    """(name, ClickHouse type) of every field of the event type's current schema, in schema order."""
+    return [(f["name"], clickhouse_type(f["type"])) for f in et.schema_json["fields"]]
+
+
+def table_ddl(database: str, table: str, retention_days: int) -> str:
+    """CREATE TABLE for one event table: partitioned by day of event time, deduplicated by event_id."""
+    et = EVENT_TYPES[EVENT_FOR_TABLE[table]]
+    columns = event_columns(et) + list(SOURCE_COLUMNS) + [("_stored_at", "DateTime64(3, 'UTC') DEFAULT now64(3)")]
+    body = ",\n  ".join(f"`{n}` {t}" for n, t in columns)
+    ttl = f"\nTTL toDateTime({et.time_field}) + INTERVAL {retention_days} DAY" if retention_days > 0 else ""
+    return (f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n  {body},\n"
+            f"  INDEX source_offset _offset TYPE minmax GRANULARITY 1\n)\n"
+            f"ENGINE = ReplacingMergeTree\nPARTITION BY toDate({et.time_field})\n"
+            f"ORDER BY ({', '.join(SORT_KEY[table])}){ttl}")
+
+
+def rejects_ddl(database: str) -> str:
+    # Messages that are not an event of the topic's type: kept (nothing acknowledged is lost), never counted.
+    return (f"CREATE TABLE IF NOT EXISTS {database}.{REJECTS} (\n  `_topic` LowCardinality(String),\n"
+            "  `_partition` Int32,\n  `_offset` Int64,\n  `key` Nullable(String),\n  `raw` String,\n"
+            "  `error` String,\n  `_stored_at` DateTime64(3, 'UTC') DEFAULT now64(3)\n)\n"
+            "ENGINE = ReplacingMergeTree\nPARTITION BY toYYYYMM(_stored_at)\nORDER BY (_topic, _partition, _offset)")
+
+
+def language_expr(column: str) -> str:
+    """SQL: the language of a file path by its extension ('other' when unknown, 'unknown' when no path)."""
+    exts = ", ".join(f"'{e}'" for e in LANGUAGES)
+    langs = ", ".join(f"'{lang}'" for lang in LANGUAGES.values())
+    ext = f"lower(extract(ifNull({column}, ''), '\\\\.([A-Za-z0-9+]+)$'))"
+    return f"if(ifNull({column}, '') = '', 'unknown', transform({ext}, [{exts}], [{langs}], 'other'))"
+
+
+# Acceptance rate = (accepted + partial) / decided; IGNORED episodes were not decided on.
+_OUTCOME_COUNTS = """count() AS episodes,
+  countIf(outcome = 'ACCEPTED') AS accepted,
+  countIf(outcome = 'PARTIAL') AS partial,
+  countIf(outcome = 'REJECTED') AS rejected,
+  countIf(outcome = 'IGNORED') AS ignored,
+  round((accepted + partial) / nullIf(accepted + partial + rejected, 0), 6) AS acceptance_rate"""
+
+
+def view_ddls(db: str) -> dict[str, str]:
+    """The analytics views; each reads its tables with FINAL so a duplicated event counts once."""
+    return {
+        "acceptance_by_version": f"""
+SELECT policy_version, toDate(joined_at) AS day,
+  {_OUTCOME_COUNTS}
+FROM {db}.episodes FINAL
+GROUP BY policy_version, day
+ORDER BY day, policy_version""",
+        "acceptance": f"""
+SELECT e.policy_version AS policy_version, toDate(e.joined_at) AS day,
+  if(c.completion_id = '', 'unknown', c.language) AS language, e.project_id AS project_id, e.user_id AS user_id,
+  count() AS episodes,
+  countIf(e.outcome = 'ACCEPTED') AS accepted,
+  countIf(e.outcome = 'PARTIAL') AS partial,
+  countIf(e.outcome = 'REJECTED') AS rejected,
+  countIf(e.outcome = 'IGNORED') AS ignored,
+  round((accepted + partial) / nullIf(accepted + partial + rejected, 0), 6) AS acceptance_rate
+FROM {db}.episodes AS e FINAL
+LEFT JOIN (SELECT completion_id, {language_expr('filepath')} AS language FROM {db}.completions FINAL) AS c
+  ON e.completion_id = c.completion_id
+GROUP BY policy_version, day, language, project_id, user_id
+ORDER BY day, policy_version, language, project_id, user_id""",
+        "shown_vs_accepted": f"""
+SELECT toDate(c.served_at) AS day, c.project_id AS project_id, c.policy_version AS policy_version,
+  count() AS served,
+  countIf(NOT c.aborted) AS shown,
+  countIf(e.outcome IN ('ACCEPTED', 'PARTIAL')) AS accepted,
+  countIf(e.outcome = 'REJECTED') AS rejected
+FROM {db}.completions AS c FINAL
+LEFT JOIN (SELECT completion_id, outcome FROM {db}.episodes FINAL WHERE matched) AS e
+  ON c.completion_id = e.completion_id
+GROUP BY day, project_id, policy_version
+ORDER BY day, project_id, policy_version""",
+        "latency": f"""
+SELECT toDate(served_at) AS day, policy_version, count() AS completions,
+  quantileExact(0.5)(latency_ms) AS latency_p50, quantileExact(0.9)(latency_ms) AS latency_p90,
+  quantileExact(0.99)(latency_ms) AS latency_p99,
+  quantileExact(0.5)(ttft_ms) AS ttft_p50, quantileExact(0.9)(ttft_ms) AS ttft_p90,
+  quantileExact(0.99)(ttft_ms) AS ttft_p99
+FROM {db}.completions FINAL
+GROUP BY day, policy_version
+ORDER BY day, policy_version""",
+        "latency_by_day": f"""
+SELECT toDate(served_at) AS day, count() AS completions,
+  quantileExact(0.5)(latency_ms) AS latency_p50, quantileExact(0.9)(latency_ms) AS latency_p90,
+  quantileExact(0.99)(latency_ms) AS latency_p99,
+  quantileExact(0.5)(ttft_ms) AS ttft_p50, quantileExact(0.9)(ttft_ms) AS ttft_p90,
+  quantileExact(0.99)(ttft_ms) AS ttft_p99
+FROM {db}.completions FINAL
+GROUP BY day
+ORDER BY day""",
+        "reward_by_version": f"""
+SELECT policy_version, toDate(joined_at) AS day, count() AS episodes,
+  round(avg(reward), 6) AS reward_mean, round(sum(reward), 6) AS reward_sum,
+  countIf(matched) AS matched
+FROM {db}.episodes FINAL
+GROUP BY policy_version, day
+ORDER BY day, policy_version""",
+    }
+
+
+def parse_retention(spec: str) -> dict[str, int]:
+    """``completions=90,feedback=90,episodes=0`` → days per table (0 = keep forever); errors name the part."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, days = part.partition("=")
+        if not sep or name.strip() not in TABLE_FOR_EVENT.values():
+            raise ValueError(f"expected TABLE=DAYS with TABLE one of {', '.join(TABLE_FOR_EVENT.values())}, "
+                             f"got {part!r}")
+        try:
+            value = int(days)
+        except ValueError:
+            raise ValueError(f"{name.strip()}: days must be a whole number, got {days.strip()!r}") from None
+        if value < 0:
+            raise ValueError(f"{name.strip()}: days must be >= 0 (0 keeps forever), got {value}")
+        out[name.strip()] = value
+    return out
+
+
+# -- the store: one ClickHouse client, shared by the sink and the SQL server -----------------------------
+
+
+def open_client(url: str):
+    """A clickhouse-connect client for ``chdb:///dir`` (embedded) or ``http(s)://…`` (a server)."""
+    import clickhouse_connect
+
+    if url.startswith("chdb://"):
+        from pathlib import Path
+
+        Path(url.removeprefix("chdb://")).mkdir(parents=True, exist_ok=True)
+    try:
+        return clickhouse_connect.get_client(dsn=url)
+    except Exception as exc:  # driver errors: connection refused, a second process on a chdb dir…
+        if url.startswith("chdb://") and "EmbeddedServer" in str(exc):
+            # chdb prints the reason (often "Cannot lock file …/status") to stderr, not into the exception.
+            raise HistoryError(f"cannot open {url}: {exc}. The embedded engine allows one process per "
+                               "directory: is `tabloop history` already running? Ask it with `tabloop sql`") from None
+        raise HistoryError(f"cannot open ClickHouse at {url}: {exc}") from None
+
+
+_READ_ONLY_START = re.compile(r"^(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", re.IGNORECASE)
+_WRAPPABLE = re.compile(r"^(SELECT|WITH)\b", re.IGNORECASE)
+_OUTSIDE_FUNCTIONS = re.compile(
+    r"\b(file|fileCluster|url|urlCluster|executable|executablePool|s3|s3Cluster|gcs|azureBlobStorage|hdfs|"
+    r"hdfsCluster|remote|remoteSecure|cluster|clusterAllReplicas|mysql|postgresql|jdbc|odbc|sqlite|mongodb|redis|"
+    r"deltaLake|iceberg|hudi|python|input)\s*\(", re.IGNORECASE)
+_COMMENT = re.compile(r"(--[^\n]*\n?)|(/\*.*?\*/)", re.DOTALL)
+
+
+class NotReadOnly(ValueError):
+    """A statement that would change something, sent where only reading is allowed."""
+
+
+def check_read_only(sql: str) -> str:
+    """The statement without a trailing semicolon, or NotReadOnly saying why it is refused.
+
+    The engine's ``readonly`` setting is the real guard; this gives a clear message first.
+    """
+    text = _COMMENT.sub(" ", sql).strip().rstrip(";").strip()
+    if not text:
+        raise NotReadOnly("empty query")
+    if ";" in _strip_literals(text):
+        raise NotReadOnly("one statement per query")
+    if not _READ_ONLY_START.match(text):
+        word = text.split(None, 1)[0].upper()
+        raise NotReadOnly(f"only SELECT, WITH, SHOW, DESCRIBE, EXPLAIN and EXISTS are allowed here, not {word}")
+    reaching_out = _OUTSIDE_FUNCTIONS.search(_strip_literals(text))
+    if reaching_out:
+        # Reading files, URLs or other servers, or running programs, is no part of looking at history.
+        raise NotReadOnly(f"table function {reaching_out.group(1)}() reaches outside the history database")
+    return text
+
+
+def _strip_literals(text: str) -> str:
+    return re.sub(r"'(?:\\.|[^'\\])*'", "''", text)
+
+
+@dataclass
+class QueryResult:
+    columns: list[str]
+    types: list[str]
+    rows: list[list[Any]]
+
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row)) for row in self.rows]
+
+
+class HistoryStore:
+    """The tables and views in one database, and every read and write to them.
+
+    One lock serialises calls: the embedded engine is one per process, and the
+    sink's inserts and the SQL server's queries share it.
+    """
+
+    def __init__(self, client, database: str = "tabloop", retention: Mapping[str, int] | None = None):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
+            raise HistoryError(f"database name {database!r}: use letters, digits and _")
+        self.client = client
+        self.database = database
+        self.retention = dict(retention or {})
+        self._lock = threading.Lock()
+        self._columns = {table: [n for n, _ in event_columns(EVENT_TYPES[e])] for table, e in EVENT_FOR_TABLE.items()}
+
+    @classmethod
+    def from_settings(cls, settings: Settings, client=None) -> "HistoryStore":
+        return cls(client or open_client(settings.effective_clickhouse_url), settings.history_database,
+                   parse_retention(settings.history_retention_days))
+
+    def ensure_schema(self) -> list[str]:
+        """Create the database, tables and views; add columns new schema versions brought; set each TTL."""
+        db, actions = self.database, []
+        with self._lock:
+            self.client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
+            for table in EVENT_FOR_TABLE:
+                self.client.command(table_ddl(db, table, self.retention.get(table, 0)))
+                have = {r[0] for r in self.client.query(
+                    f"SELECT name FROM system.columns WHERE database = '{db}' AND table = '{table}'").result_rows}
+                for name, ch_type in event_columns(EVENT_TYPES[EVENT_FOR_TABLE[table]]):
+                    if name not in have:  # a field added to the schema (with a default) since the table was made
+                        self.client.command(f"ALTER TABLE {db}.{table} ADD COLUMN IF NOT EXISTS `{name}` {ch_type}")
+                        actions.append(f"{table}: added column {name}")
+                actions.extend(self._fix_ttl(table))
+            self.client.command(rejects_ddl(db))
+            for name, select in view_ddls(db).items():
+                self.client.command(f"CREATE OR REPLACE VIEW {db}.{name} AS {select}")
+        return actions
+
+    def _fix_ttl(self, table: str) -> list[str]:
+        et = EVENT_TYPES[EVENT_FOR_TABLE[table]]
+        days = self.retention.get(table, 0)
+        create = self.client.query(f"SHOW CREATE TABLE {self.database}.{table}").result_rows[0][0]
+        current = re.search(r"\bTTL .*?(?:INTERVAL (\d+) DAY|toIntervalDay\((\d+)\))", create)
+        have = int(current.group(1) or current.group(2)) if current else 0
+        if have == days:
+            return []
+        if days > 0:
+            self.client.command(f"ALTER TABLE {self.database}.{table} MODIFY TTL "
+                                f"toDateTime({et.time_field}) + INTERVAL {days} DAY")
+        else:
+            self.client.command(f"ALTER TABLE {self.database}.{table} REMOVE TTL")
+        return [f"{table}: retention {have or 'forever'} -> {days or 'forever'} days"]
+
+    def columns(self, table: str) -> list[str]:
+        return self._columns[table]
+
+    def insert(self, table: str, rows: list[list[Any]], source_columns: bool = True) -> None:
+        """Insert rows (event fields in schema order, then _topic, _partition, _offset)."""
+        if not rows:
+            return
+        names = self._columns[table] + ([n for n, _ in SOURCE_COLUMNS] if source_columns else [])
+        with self._lock:
+            self.client.insert(f"{self.database}.{table}", rows, column_names=names)
+
+    def insert_rejects(self, rows: list[list[Any]]) -> None:
+        if rows:
+            with self._lock:
+                self.client.insert(f"{self.database}.{REJECTS}", rows,
+                                   column_names=["_topic", "_partition", "_offset", "key", "raw", "error"])
+
+    def stored_offsets(self, table: str, topic: str, partition: int, from_offset: int) -> set[int]:
+        """Offsets of ``topic``/``partition`` from ``from_offset`` on already in ``table`` or in rejects."""
+        where = f"_topic = {sql_literal(topic)} AND _partition = {int(partition)} AND _offset >= {int(from_offset)}"
+        sql = (f"SELECT _offset FROM {self.database}.{table} WHERE {where} "
+               f"UNION ALL SELECT _offset FROM {self.database}.{REJECTS} WHERE {where}")
+        with self._lock:
+            return {int(r[0]) for r in self.client.query(sql).result_rows}
+
+    def query(self, sql: str, *, read_only: bool = True, max_rows: int | None = None,
+              timeout_s: float | None = None) -> QueryResult:
+        """Run one query; read-only ones are checked and run under the engine's readonly setting.
+
+        The limits go in a SETTINGS clause of the query itself, never as session settings: the
+        embedded driver applies per-call settings with SET and restores them after, and once
+        ``readonly`` is set nothing can unset it, so the session would stay read-only for good.
+        """
+        if read_only:
+            sql = check_read_only(sql)
+            if _WRAPPABLE.match(sql):
+                limits = ["readonly = 2"]  # 2: no writes, yet the limits below may be set
+                if max_rows:
+                    limits += [f"max_result_rows = {int(max_rows)}", "result_overflow_mode = 'break'"]
+                if timeout_s:
+                    limits.append(f"max_execution_time = {int(timeout_s)}")
+                sql = f"SELECT * FROM (\n{sql}\n) SETTINGS {', '.join(limits)}"
+        with self._lock:
+            result = self.client.query(sql)
+        return QueryResult(list(result.column_names), [t.name for t in result.column_types],
+                           [list(r) for r in result.result_rows])
+
+    def command(self, sql: str) -> None:
+        with self._lock:
+            self.client.command(sql)
+
+    def count(self, table: str, final: bool = False) -> int:
+        with self._lock:
+            return int(self.client.query(
+                f"SELECT count() FROM {self.database}.{table}{' FINAL' if final else ''}").result_rows[0][0])
+
+
+def sql_literal(value: Any) -> str:
+    """A value as a ClickHouse SQL literal (strings escaped, datetimes as UTC DateTime64)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        ms = value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        return f"toDateTime64('{ms}', 3, 'UTC')"
+    text = str(value).replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{text}'"
+
+
+# -- the sink --------------------------------------------------------------------------------------------
+
+
+def catalog_topics() -> dict[str, str]:
+    """topic → table for every topic of the catalog."""
+    return {t.name: TABLE_FOR_EVENT[t.event_type] for t in CATALOG}
+
+
+@dataclass
+class SinkStats:
+    batches: int = 0
+    stored: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    skipped_already_stored: int = 0
+    rejects: int = 0
+    commit_failures: int = 0
+    uncommitted_rows: int = 0
+    last_batch_at: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"batches": self.batches, "stored": dict(self.stored), "rejects": self.rejects,
+                "skipped_already_stored": self.skipped_already_stored,
+                "commit_failures": self.commit_failures, "uncommitted_rows": self.uncommitted_rows}
+
+
+class HistorySink:
+    """Consumes topics into the store: batched inserts, offsets committed after each stored batch."""
+
+    def __init__(self, settings: Settings, store: HistoryStore, topics: Mapping[str, str] | None = None,
+                 *, group_id: str = GROUP_ID, consumer=None):
+        from infra.bus import EventConsumer
+
+        self.settings = settings
+        self.store = store
+        self.topics = dict(topics or catalog_topics())
+        unknown = set(self.topics.values()) - set(EVENT_FOR_TABLE)
+        if unknown:
+            raise HistoryError(f"no history table {', '.join(sorted(unknown))}; tables: {', '.join(EVENT_FOR_TABLE)}")
+        self.batch_size = settings.history_batch_size
+        self.batch_interval_s = settings.history_batch_interval_s
+        # Static membership: a sink restarted after a crash takes its partitions back at once instead of
+        # waiting out the dead member's session. The id names the store, so two sinks writing one store
+        # fence each other rather than share its partitions.
+        instance = hashlib.sha256(f"{settings.effective_clickhouse_url}|{store.database}|{group_id}".encode())
+        self.consumer = consumer or EventConsumer(
+            settings, group_id, list(self.topics), client_id="tabloop-history",
+            # Topics made after the sink started are seen within seconds, not librdkafka's 5 minutes.
+            overrides={"group.instance.id": f"tabloop-history-{instance.hexdigest()[:16]}",
+                       "topic.metadata.refresh.interval.ms": 10_000})
+        self.stats = SinkStats()
+        # (topic, partition) → the offset the next message should have, and offsets known stored from there.
+        self._expected: dict[tuple[str, int], int] = {}
+        self._already: dict[tuple[str, int], set[int]] = {}
+
+    def poll_batch(self, stop: threading.Event | None = None) -> list:
+        """Up to ``batch_size`` messages, waiting at most ``batch_interval_s`` once the first arrived."""
+        batch: list = []
+        first_at = None
+        while len(batch) < self.batch_size and not (stop and stop.is_set()):
+            timeout = 0.5 if first_at is None else max(0.0, first_at + self.batch_interval_s - time.monotonic())
+            errors: list = []
+            got = self.consumer.poll(min(self.batch_size - len(batch), 10_000), timeout_s=timeout, errors=errors)
+            if errors:  # a broker or topic problem: store what came, then let run() wait it out
+                batch.extend(got)
+                if batch:
+                    log.error("Kafka: %s", errors[0].str())
+                    return batch
+                raise KafkaException(errors[0])
+            if got and first_at is None:
+                first_at = time.monotonic()
+            batch.extend(got)
+            if first_at is None and not got:
+                return batch  # nothing arriving: let the caller check for stop
+            if first_at is not None and time.monotonic() >= first_at + self.batch_interval_s:
+                break
+        return batch
+
+    def store_batch(self, batch: list) -> dict[str, int]:
+        """Insert what is not stored yet; return rows stored per table. Does not commit."""
+        rows: dict[str, list[list[Any]]] = defaultdict(list)
+        rejects: list[list[Any]] = []
+        for r in batch:
+            tp = (r.topic, r.partition)
+            table = self.topics[r.topic]
+            if self._expected.get(tp) != r.offset:
+                # A jump (start, rebalance, redelivery): what from here on did an earlier run store?
+                self._already[tp] = self.store.stored_offsets(table, r.topic, r.partition, r.offset)
+            self._expected[tp] = r.offset + 1
+            if r.offset in self._already.get(tp, ()):
+                self.stats.skipped_already_stored += 1
+                continue
+            expected_type = EVENT_FOR_TABLE[table]
+            if r.event is None or r.event.type != expected_type:
+                error = (f"{type(r.error).__name__}: {r.error}" if r.error is not None
+                         else f"a {r.event.type} event on a topic of {expected_type}")
+                rejects.append([r.topic, r.partition, r.offset,
+                                r.key.decode(errors="replace") if r.key is not None else None, r.value, error])
+                continue
+            record = r.event.record
+            rows[table].append([record.get(c) for c in self.store.columns(table)] + [r.topic, r.partition, r.offset])
+        for table, table_rows in rows.items():
+            try:
+                self.store.insert(table, table_rows)
+            except Exception as exc:  # the engine's message, with what was being stored
+                first = table_rows[0]
+                raise HistoryError(f"storing {len(table_rows)} rows into {self.store.database}.{table} failed "
+                                   f"(first: {first[-3]}/{first[-2]}@{first[-1]}): {exc}") from exc
+            self.stats.stored[table] += len(table_rows)
+        if rejects:
+            log.error("%d messages are not events of their topic's type; kept in %s.%s (first: %s)",
+                      len(rejects), self.store.database, REJECTS, rejects[0][5])
+            self.store.insert_rejects(rejects)
+            self.stats.rejects += len(rejects)
+        return {t: len(v) for t, v in rows.items()}
+
+    def step(self, stop: threading.Event | None = None) -> int:
+        """One batch: poll, store, then commit. Returns the number of messages handled."""
+        batch = self.poll_batch(stop)
+        if not batch:
+            return 0
+        rejects_before = self.stats.rejects
+        stored = self.store_batch(batch)
+        # Rows stored whose offsets Kafka does not have yet: what a crash right now would redeliver.
+        self.stats.uncommitted_rows += sum(stored.values()) + self.stats.rejects - rejects_before
+        try:
+            self.consumer.commit(batch)
+            self.stats.uncommitted_rows = 0
+        except KafkaException as exc:
+            # Stored but not committed: the next batch's commit covers these offsets, and if none comes
+            # before a restart, the restarted sink finds them stored and skips them.
+            self.stats.commit_failures += 1
+            log.warning("offsets of a stored batch not committed (%s); a later commit covers them", exc)
+        self.stats.batches += 1
+        self.stats.last_batch_at = time.time()
+        return len(batch)
+
+    def run(self, stop: threading.Event, on_batch: Callable[[int], None] | None = None) -> None:
+        """Batches until ``stop``; Kafka errors (a broker away, a topic not made yet) are waited out."""
+        last_error = ""
+        while not stop.is_set():
+            try:
+                n = self.step(stop)
+            except KafkaException as exc:
+                if str(exc) != last_error:  # each distinct problem once, not once a second
+                    log.error("Kafka: %s; retrying", exc)
+                    last_error = str(exc)
+                stop.wait(1.0)
+                continue
+            last_error = ""
+            if n and on_batch:
+                on_batch(n)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def json_value(value: Any) -> Any:
+    """A query result value as JSON: datetimes ISO-8601 (UTC), bytes hex, NaN/inf null."""
+    import math
+    from datetime import date
+    from decimal import Decimal
+    from uuid import UUID
+
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value.isoformat()
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, UUID):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): json_value(v) for k, v in value.items()}
+    return value
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(json_value(obj))

@@ -1,0 +1,196 @@
+"""`tabloop history`, `tabloop sql`, `tabloop replay`, `tabloop bench history`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+
+import click
+
+log = logging.getLogger("tabloop.history")
+
+
+def _settings(ctx: click.Context):
+    return ctx.find_root().obj
+
+
+def _fail(message: str):
+    from infra.cli import TabloopError
+
+    raise TabloopError(message)
+
+
+def _topic_map(pairs: tuple[str, ...]) -> dict[str, str] | None:
+    if not pairs:
+        return None
+    out = {}
+    for pair in pairs:
+        topic, sep, table = pair.partition("=")
+        if not sep or not topic or not table:
+            _fail(f"--topic wants TOPIC=TABLE, got {pair!r}")
+        out[topic] = table
+    return out
+
+
+@click.group(invoke_without_command=True)
+@click.option("--topic", "topics", multiple=True, metavar="TOPIC=TABLE",
+              help="Consume these topics instead of the catalog's (e.g. a replay topic into a scratch database).")
+@click.option("--group", "group_id", default=None, help="Consumer group (default tabloop-history).")
+@click.pass_context
+def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -> None:
+    """The history sink: every topic into ClickHouse; read-only SQL and the dashboard over HTTP."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from streams.history import GROUP_ID, HistoryError, HistorySink, HistoryStore
+    from streams.history_sql import HistoryServer, history_token
+
+    s = _settings(ctx)
+    try:
+        store = HistoryStore.from_settings(s)
+        for action in store.ensure_schema():
+            click.echo(action)
+    except HistoryError as exc:
+        _fail(str(exc))
+    sink = HistorySink(s, store, _topic_map(topics), group_id=group_id or GROUP_ID)
+    token = history_token(s, create=True)
+    try:
+        server = HistoryServer(store, token, s.history_host, s.history_port, status=sink.stats.as_dict).start()
+    except OSError as exc:
+        sink.close()
+        _fail(f"cannot listen on {s.history_host}:{s.history_port}: {exc} (TABLOOP_HISTORY_PORT)")
+    click.echo(f"tabloop history: {', '.join(sink.topics)} -> {s.effective_clickhouse_url} "
+               f"(database {store.database}); SQL {server.url}/sql", err=False)
+    click.echo(f"dashboard {server.url}/#token={token}")
+    sys.stdout.flush()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        sink.run(stop)
+    except HistoryError as exc:  # nothing committed past what was stored: a restart resumes from here
+        _fail(str(exc))
+    finally:
+        sink.close()  # after the last batch was stored and committed
+        server.stop()
+        click.echo(f"history sink stopped: {json.dumps(sink.stats.as_dict())}")
+
+
+@history.command("token")
+@click.pass_context
+def history_token_cmd(ctx: click.Context) -> None:
+    """Print the Bearer token of the SQL server and the dashboard (made once if missing)."""
+    from streams.history_sql import history_token
+
+    click.echo(history_token(_settings(ctx), create=True))
+
+
+@history.command("schema")
+@click.pass_context
+def history_schema(ctx: click.Context) -> None:
+    """Print the CREATE statements of the tables and views (what the sink makes)."""
+    from streams.history import EVENT_FOR_TABLE, parse_retention, rejects_ddl, table_ddl, view_ddls
+
+    s = _settings(ctx)
+    retention = parse_retention(s.history_retention_days)
+    for table in EVENT_FOR_TABLE:
+        click.echo(table_ddl(s.history_database, table, retention.get(table, 0)) + ";\n")
+    click.echo(rejects_ddl(s.history_database) + ";\n")
+    for name, select in view_ddls(s.history_database).items():
+        click.echo(f"CREATE OR REPLACE VIEW {s.history_database}.{name} AS{select};\n")
+
+
+@click.command()
+@click.argument("query")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+              help="table: aligned text; json: one JSON object per row.")
+@click.pass_context
+def sql(ctx: click.Context, query: str, fmt: str) -> None:
+    """Run one read-only query (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN) against the history.
+
+    Tables and views live in the database TABLOOP_HISTORY_DATABASE (tabloop), e.g.
+    `tabloop sql "SELECT * FROM tabloop.acceptance_by_version"`.
+    """
+    from streams.history_sql import SqlClient, SqlError, format_table
+
+    try:
+        result = SqlClient(_settings(ctx)).query(query)
+    except SqlError as exc:
+        _fail(str(exc))
+    if fmt == "json":
+        for row in result.records():
+            click.echo(json.dumps(row, default=str))
+    else:
+        click.echo(format_table(result))
+
+
+def _when(text: str | None):
+    if text is None:
+        return None
+    from datetime import datetime, timezone
+
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        _fail(f"expected an ISO-8601 time such as 2026-11-30 or 2026-11-30T12:00:00Z, got {text!r}")
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+@click.command()
+@click.option("--to", "topic", default=None, help="Topic the episodes go to (made if missing); not a catalog topic.")
+@click.option("--dry-run", is_flag=True, help="Derive and count the episodes, publish nothing.")
+@click.option("--source", type=click.Choice(["clickhouse", "kafka"]), default="clickhouse", show_default=True)
+@click.option("--since", default=None, help="Event time from (ISO-8601, UTC unless it says).")
+@click.option("--until", default=None, help="Event time before (ISO-8601).")
+@click.option("--project", "projects", multiple=True, help="Only these projects (repeatable).")
+@click.option("--policy-version", "versions", type=int, multiple=True,
+              help="Keep episodes of these policy versions (repeatable).")
+@click.option("--offset", "offsets", multiple=True, metavar="TOPIC:PARTITION:OFFSET",
+              help="Start this partition here (repeatable); other partitions start at their beginning.")
+@click.option("--reward-spec", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Reward specs YAML (default: TABLOOP_REWARD_SPEC_FILE, else the built-in spec).")
+@click.pass_context
+def replay(ctx: click.Context, topic: str | None, dry_run: bool, source: str, since: str | None, until: str | None,
+           projects: tuple[str, ...], versions: tuple[int, ...], offsets: tuple[str, ...],
+           reward_spec: str | None) -> None:
+    """Re-derive episodes from history (ClickHouse or the Kafka topics) with the current reward spec.
+
+    Prints a summary; its last line is JSON.
+    """
+    from pathlib import Path
+
+    from streams.history_sql import SqlError
+    from streams.replay import Selection, parse_offset, replay as run
+    from streams.rewards import RewardSpecs
+
+    if not dry_run and not topic:
+        _fail("say where the episodes go with --to TOPIC (or --dry-run)")
+    try:
+        start = dict(parse_offset(o) for o in offsets)
+        specs = RewardSpecs.from_yaml(Path(reward_spec)) if reward_spec else None
+        selection = Selection(_when(since), _when(until), tuple(projects), tuple(versions), start)
+        summary = run(_settings(ctx), source, selection, None if dry_run else topic, specs)
+    except (ValueError, SqlError) as exc:
+        _fail(str(exc))
+    except Exception as exc:  # Kafka down, publish failures: say so without a traceback
+        _fail(f"replay failed: {type(exc).__name__}: {exc}")
+    click.echo(json.dumps(summary, sort_keys=True))
+
+
+@click.command("history")
+@click.option("--events", "n", type=click.IntRange(min=1000), default=60_000, show_default=True,
+              help="Events through Kafka into the sink (completions, feedback, episodes in equal parts).")
+@click.option("--episodes", type=click.IntRange(min=1000), default=1_000_000, show_default=True,
+              help="Episodes in the table the acceptance query runs over.")
+@click.pass_context
+def bench_history(ctx: click.Context, n: int, episodes: int) -> None:
+    """Rows/s stored by the sink (broker → embedded ClickHouse) and the acceptance-by-version query time."""
+    from infra.bus import broker_answers
+    from streams.history_bench import bench_history as run
+
+    s = _settings(ctx)
+    if not broker_answers(s):
+        _fail(f"no Kafka answers on {s.kafka_bootstrap}: run `tabloop kafka start` first")
+    run(s, n, episodes)

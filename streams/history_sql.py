@@ -1,0 +1,319 @@
+"""Read-only SQL over HTTP, and the dashboard, served by the history sink.
+
+The embedded engine opens one data directory per process, so the process that
+runs the sink owns it and answers everyone else's queries:
+
+    POST /sql              {"query": "SELECT …"} → {"columns", "types", "rows"}   (Bearer token)
+    GET  /api/dashboard    what the dashboard charts, from the views          (Bearer token)
+    GET  /health           {"ok": true, "sink": …}                           (open)
+    GET  /                 the dashboard page, /dashboard/* its script and style (open; no data in them)
+
+Only reading statements pass (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN, EXISTS),
+and they run with ClickHouse's ``readonly`` setting, so the engine refuses
+writes too. ``SqlClient`` is the other side: against ``chdb://`` it asks this
+server; against an ``http://`` ClickHouse server it queries the server directly.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from infra.settings import Settings
+from streams.history import HistoryStore, NotReadOnly, QueryResult, check_read_only, json_value
+
+log = logging.getLogger("tabloop.history")
+DASHBOARD_DIR = Path(__file__).parent / "dashboard"
+MAX_QUERY_BYTES = 256 * 1024
+MAX_ROWS = 100_000
+QUERY_TIMEOUT_S = 60
+
+
+def history_token(settings: Settings, create: bool = False) -> str | None:
+    """The SQL/dashboard token: the setting, else the one kept in the state dir (made once when ``create``)."""
+    if settings.history_token:
+        return settings.history_token
+    path = settings.history_token_file
+    if path.exists():
+        return path.read_text().strip()
+    if not create:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = "tlh_" + secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def _problem(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def dashboard_data(store: HistoryStore, days: int = 30, project: str | None = None) -> dict[str, Any]:
+    """What the dashboard draws: rows of the views for the last ``days`` days (JSON-ready).
+
+    Latency percentiles can't be added up across projects, so with a project
+    filter they come straight from the completions table.
+    """
+    db = store.database
+    since = f"day >= today() - {int(days)}"
+    where_project = f" AND project_id = {_literal(project)}" if project else ""
+
+    def rows(sql: str) -> list[dict]:
+        return [{k: json_value(v) for k, v in r.items()} for r in store.query(sql).records()]
+
+    if project:
+        acceptance = rows(f"""SELECT policy_version, day, n AS episodes, a AS accepted, r AS rejected,
+            round(a / nullIf(a + r, 0), 6) AS acceptance_rate
+            FROM (SELECT policy_version, day, sum(episodes) AS n, sum(accepted) + sum(partial) AS a,
+                  sum(rejected) AS r
+                  FROM {db}.acceptance WHERE {since}{where_project} AND policy_version IS NOT NULL
+                  GROUP BY policy_version, day)
+            ORDER BY day, policy_version""")
+        reward = rows(f"""SELECT policy_version, toDate(joined_at) AS day, count() AS episodes,
+            round(avg(reward), 6) AS reward_mean FROM {db}.episodes FINAL
+            WHERE toDate(joined_at) >= today() - {int(days)}{where_project} AND policy_version IS NOT NULL
+            GROUP BY policy_version, day ORDER BY day, policy_version""")
+        latency = rows(f"""SELECT toDate(served_at) AS day, count() AS completions,
+            quantileExact(0.5)(latency_ms) AS latency_p50, quantileExact(0.9)(latency_ms) AS latency_p90,
+            quantileExact(0.99)(latency_ms) AS latency_p99, quantileExact(0.5)(ttft_ms) AS ttft_p50
+            FROM {db}.completions FINAL WHERE toDate(served_at) >= today() - {int(days)}{where_project}
+            GROUP BY day ORDER BY day""")
+    else:
+        acceptance = rows(f"""SELECT policy_version, day, episodes, accepted + partial AS accepted, rejected,
+            acceptance_rate FROM {db}.acceptance_by_version WHERE {since} AND policy_version IS NOT NULL
+            ORDER BY day, policy_version""")
+        reward = rows(f"""SELECT policy_version, day, episodes, reward_mean FROM {db}.reward_by_version
+            WHERE {since} AND policy_version IS NOT NULL ORDER BY day, policy_version""")
+        latency = rows(f"""SELECT day, completions, latency_p50, latency_p90, latency_p99, ttft_p50
+            FROM {db}.latency_by_day WHERE {since} ORDER BY day""")
+    shown = rows(f"""SELECT day, sum(served) AS served, sum(shown) AS shown, sum(accepted) AS accepted,
+        sum(rejected) AS rejected FROM {db}.shown_vs_accepted WHERE {since}{where_project}
+        GROUP BY day ORDER BY day""")
+    return {"days": days, "project": project, "acceptance": acceptance, "shown": shown, "latency": latency,
+            "reward": reward}
+
+
+def _literal(value: str) -> str:
+    from streams.history import sql_literal
+
+    return sql_literal(value)
+
+
+def build_app(store: HistoryStore, token: str, status: Callable[[], dict] | None = None) -> Starlette:
+    """The SQL and dashboard routes over ``store``; ``token`` guards every route that returns data."""
+
+    def authorized(request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        presented = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        return bool(presented) and hmac.compare_digest(presented.encode(), token.encode())
+
+    def unauthorized() -> JSONResponse:
+        return JSONResponse({"error": {"message": "missing or wrong Bearer token (see `tabloop history token`)",
+                                       "code": 401}}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    async def sql(request: Request) -> Response:
+        if not authorized(request):
+            return unauthorized()
+        body = await request.body()
+        if len(body) > MAX_QUERY_BYTES:
+            return _problem(413, f"query is over {MAX_QUERY_BYTES} bytes")
+        query = body.decode(errors="replace")
+        if "json" in request.headers.get("content-type", ""):
+            import json
+
+            try:
+                parsed = json.loads(body)
+            except ValueError as exc:
+                return _problem(400, f"request body is not valid JSON: {exc}")
+            if not isinstance(parsed, dict) or not isinstance(parsed.get("query"), str):
+                return _problem(400, "expected {\"query\": \"SELECT …\"}")
+            query = parsed["query"]
+        try:
+            check_read_only(query)
+        except NotReadOnly as exc:
+            return _problem(403, f"refused: {exc}")
+        try:
+            result = await run_in_threadpool(store.query, query, max_rows=MAX_ROWS, timeout_s=QUERY_TIMEOUT_S)
+        except NotReadOnly as exc:
+            return _problem(403, f"refused: {exc}")
+        except Exception as exc:  # the engine's own message: syntax errors, unknown tables…
+            return _problem(400, _engine_message(exc))
+        return JSONResponse({"columns": result.columns, "types": result.types,
+                             "rows": [[json_value(v) for v in row] for row in result.rows]})
+
+    async def dashboard_api(request: Request) -> Response:
+        if not authorized(request):
+            return unauthorized()
+        try:
+            days = int(request.query_params.get("days", "30"))
+        except ValueError:
+            return _problem(400, "days must be a whole number")
+        if not 1 <= days <= 3660:
+            return _problem(400, "days must be between 1 and 3660")
+        project = request.query_params.get("project") or None
+        try:
+            data = await run_in_threadpool(dashboard_data, store, days, project)
+        except Exception as exc:
+            return _problem(500, _engine_message(exc))
+        return JSONResponse(data)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"ok": True, "database": store.database, "sink": status() if status else None})
+
+    def static(name: str, media_type: str):
+        async def serve(request: Request) -> Response:
+            return FileResponse(DASHBOARD_DIR / name, media_type=media_type,
+                                headers={"Cache-Control": "no-cache"})
+        return serve
+
+    routes = [
+        Route("/sql", sql, methods=["POST"]),
+        Route("/api/dashboard", dashboard_api, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/", static("index.html", "text/html; charset=utf-8"), methods=["GET"]),
+        Route("/dashboard/dashboard.js", static("dashboard.js", "text/javascript; charset=utf-8"), methods=["GET"]),
+        Route("/dashboard/charts.js", static("charts.js", "text/javascript; charset=utf-8"), methods=["GET"]),
+        Route("/dashboard/style.css", static("style.css", "text/css; charset=utf-8"), methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+def _engine_message(exc: Exception) -> str:
+    text = str(exc).strip()
+    # clickhouse-connect wraps the server's message in lines of its own; the engine's line says what is wrong.
+    for line in text.splitlines():
+        if "DB::Exception" in line or "Code:" in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class HistoryServer:
+    """The app on a socket, in a thread of its own (the sink loop keeps the main thread)."""
+
+    def __init__(self, store: HistoryStore, token: str, host: str, port: int,
+                 status: Callable[[], dict] | None = None):
+        import uvicorn
+
+        from serving.server import bind
+
+        self.socket = bind(host, port)
+        self.host, self.port = host, self.socket.getsockname()[1]
+        config = uvicorn.Config(build_app(store, token, status), log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=3)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="history-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        import asyncio
+
+        asyncio.run(self._server.serve(sockets=[self.socket]))
+
+    def start(self) -> "HistoryServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+# -- the client side: `tabloop sql`, replay from ClickHouse ---------------------------------------------
+
+
+class SqlError(RuntimeError):
+    """A query that could not run; the message is for a person."""
+
+
+class SqlClient:
+    """Read-only queries against the configured history: via the sink (chdb) or a ClickHouse server (http)."""
+
+    def __init__(self, settings: Settings, *, sink_url: str | None = None, token: str | None = None):
+        self.settings = settings
+        self.url = settings.effective_clickhouse_url
+        self.database = settings.history_database
+        self.sink_url = sink_url or f"http://{settings.history_host}:{settings.history_port}"
+        self.token = token
+        self._client = None
+
+    @property
+    def direct(self) -> bool:
+        return self.url.startswith(("http://", "https://"))
+
+    def query(self, sql: str) -> QueryResult:
+        try:
+            check_read_only(sql)
+        except NotReadOnly as exc:
+            raise SqlError(f"refused: {exc}") from None
+        if self.direct:
+            return self._query_server(sql)
+        return self._query_sink(sql)
+
+    def _query_server(self, sql: str) -> QueryResult:
+        from streams.history import open_client
+
+        if self._client is None:
+            self._client = open_client(self.url)
+        try:
+            result = self._client.query(sql)
+        except Exception as exc:
+            raise SqlError(_engine_message(exc)) from None
+        return QueryResult(list(result.column_names), [t.name for t in result.column_types],
+                           [[json_value(v) for v in r] for r in result.result_rows])
+
+    def _query_sink(self, sql: str) -> QueryResult:
+        import httpx
+
+        token = self.token or history_token(self.settings)
+        if not token:
+            raise SqlError(f"no history token: set TABLOOP_HISTORY_TOKEN or start `tabloop history` "
+                           f"(it writes {self.settings.history_token_file})")
+        try:
+            r = httpx.post(f"{self.sink_url}/sql", json={"query": sql},
+                           headers={"Authorization": f"Bearer {token}"}, timeout=QUERY_TIMEOUT_S + 30)
+        except httpx.TransportError as exc:
+            raise SqlError(f"the history sink does not answer on {self.sink_url} ({exc}); it owns {self.url}, "
+                           "so start it with `tabloop history`") from None
+        if r.status_code != 200:
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text[:500]
+            raise SqlError(f"{r.status_code}: {message}")
+        body = r.json()
+        return QueryResult(body["columns"], body["types"], body["rows"])
+
+
+def format_table(result: QueryResult, max_width: int = 60) -> str:
+    """Rows as an aligned text table; long cells cut to ``max_width`` characters."""
+    def cell(v: Any) -> str:
+        text = "NULL" if v is None else str(json_value(v))
+        text = text.replace("\n", "\\n")
+        return text if len(text) <= max_width else text[: max_width - 1] + "…"
+
+    cells = [[cell(v) for v in row] for row in result.rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(result.columns)]
+    numeric = [any(k in t for k in ("Int", "Float", "Decimal")) for t in result.types] if result.types else \
+        [False] * len(result.columns)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(result.columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    for r in cells:
+        lines.append("  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(r, widths, numeric)))
+    lines.append(f"({len(cells)} row{'s' if len(cells) != 1 else ''})")
+    return "\n".join(lines)

@@ -1,0 +1,331 @@
+"""The history sink: real broker → embedded ClickHouse; counts exact, also after a crash mid-batch."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from infra.bus import EventProducer, ensure_topics
+from infra.kafka_broker import free_port
+from schemas.codec import Codec
+from schemas.examples import example_event
+from schemas.topics import KEEP_FOREVER, Topic
+from streams.history import EVENT_FOR_TABLE, HistorySink
+from streams.history_sql import SqlClient
+from tests.conftest import make_settings
+from tests.history_fixture import new_store
+
+pytestmark = pytest.mark.kafka
+ROOT = Path(__file__).resolve().parents[1]
+MIX = {"completions": 0.4, "feedback": 0.3, "episodes": 0.25, "weights": 0.025, "deadletter": 0.025}
+
+
+def scratch_topics(settings, tag: str) -> dict[str, str]:
+    """Topics of this test only (the session broker's catalog topics hold other tests' events)."""
+    topics = {f"hist-{tag}.{table}": table for table in EVENT_FOR_TABLE}
+    ensure_topics(settings, [Topic(name, EVENT_FOR_TABLE[table], KEEP_FOREVER) for name, table in topics.items()])
+    return topics
+
+
+def produce(settings, topics: dict[str, str], n: int, seed: int, extra_raw: int = 0) -> dict[str, int]:
+    """``n`` events spread over the topics by MIX; ``extra_raw`` undecodable messages on the first topic."""
+    rng = random.Random(seed)
+    want = {t: 0 for t in EVENT_FOR_TABLE}
+    by_table = {table: name for name, table in topics.items()}
+    with EventProducer(settings) as producer:
+        for i in range(n):
+            table = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+            event = example_event(EVENT_FOR_TABLE[table], seed * 1_000_000 + i, rng, prompt_size=200, tokens=8)
+            producer.publish(event, topic=by_table[table])
+            want[table] += 1
+        for j in range(extra_raw):
+            producer.send_encoded(by_table["completions"], b"k", b"not avro at all %d" % j)
+    return want
+
+
+def test_sink_stores_every_event_once_and_commits_after_storing(kafka_settings, tmp_path):
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka_settings.kafka_bootstrap, history_batch_size=700,
+                             history_batch_interval_s=0.3)
+    topics = scratch_topics(settings, uuid.uuid4().hex[:8])
+    want = produce(settings, topics, 3000, seed=1, extra_raw=3)
+    store = new_store()
+    group = f"hist-{uuid.uuid4().hex[:8]}"
+
+    # A sink that stores two batches and dies before committing the second: the worst moment.
+    first = HistorySink(settings, store, topics, group_id=group)
+    deadline = time.monotonic() + 60
+    while first.step() == 0:  # the first polls wait for the group to form
+        assert time.monotonic() < deadline
+    def stored_rows() -> int:
+        return sum(store.count(t) for t in EVENT_FOR_TABLE) + store.count("rejects")
+
+    before = stored_rows()
+    batch = first.poll_batch()
+    first.store_batch(batch)
+    first.close()  # no commit for this batch
+    stored_before = stored_rows()
+    # (a rebalance while the group formed can hand the first sink a message twice; it stored each once)
+    uncommitted = stored_before - before
+
+    # The next sink gets those messages again and must not store them twice.
+    second = HistorySink(settings, store, topics, group_id=group)
+    total = sum(want.values()) + 3
+    deadline = time.monotonic() + 60
+    while sum(store.count(t) for t in EVENT_FOR_TABLE) + store.count("rejects") < total:
+        assert time.monotonic() < deadline, "sink did not catch up"
+        second.step()
+    second.close()
+    assert second.stats.skipped_already_stored == uncommitted > 0
+    assert stored_before < total
+    for table, n in want.items():
+        assert store.count(table) == n, table  # raw rows: no duplicate at all
+        assert store.count(table, final=True) == n, table
+    rejects = store.query(f"SELECT _topic, error FROM {store.database}.rejects").rows
+    assert len(rejects) == 3 and all("completions" in t and e for t, e in rejects)
+    # rows keep their source position, one per offset
+    dup = store.query(f"SELECT count() FROM (SELECT _partition, _offset, count() AS n FROM {store.database}."
+                      "completions GROUP BY _partition, _offset HAVING n > 1)").rows[0][0]
+    assert dup == 0
+
+
+def test_sink_waits_out_topics_that_do_not_exist_yet(kafka_settings, tmp_path):
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka_settings.kafka_bootstrap, history_batch_interval_s=0.2)
+    tag = uuid.uuid4().hex[:8]
+    topics = {f"hist-{tag}.{table}": table for table in EVENT_FOR_TABLE}
+    store = new_store()
+    sink = HistorySink(settings, store, topics, group_id=f"late-{tag}")
+    stop = threading.Event()
+    runner = threading.Thread(target=sink.run, args=(stop,))
+    runner.start()
+    try:
+        time.sleep(3)  # polling topics the broker doesn't have
+        assert runner.is_alive()
+        scratch_topics(settings, tag)
+        want = produce(settings, topics, 300, seed=5)
+        deadline = time.monotonic() + 60
+        while sum(store.count(t) for t in EVENT_FOR_TABLE) < 300:
+            assert runner.is_alive() and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert {t: store.count(t) for t in EVENT_FOR_TABLE} == want
+    finally:
+        stop.set()
+        runner.join(30)
+        sink.close()
+
+
+def test_bad_topic_table_is_refused(kafka_settings, tmp_path):
+    from streams.history import HistoryError
+
+    with pytest.raises(HistoryError, match="no history table nope"):
+        HistorySink(make_settings(tmp_path, kafka_bootstrap=kafka_settings.kafka_bootstrap), new_store(),
+                    {"x": "nope"})
+
+
+# -- the sink as its own process, killed with SIGKILL mid-stream ----------------------------------------
+
+
+class SinkProcess:
+    def __init__(self, settings, topics: dict[str, str], token: str, log: Path):
+        self.port = free_port()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("TABLOOP_")}
+        self.env.update(TABLOOP_KAFKA_BOOTSTRAP=settings.kafka_bootstrap, TABLOOP_STATE_DIR=str(settings.state_dir),
+                        TABLOOP_HISTORY_PORT=str(self.port), TABLOOP_HISTORY_TOKEN=token,
+                        TABLOOP_HISTORY_BATCH_SIZE=str(settings.history_batch_size),
+                        TABLOOP_HISTORY_BATCH_INTERVAL_S="0.2", TABLOOP_TOPIC_PARTITIONS="3",
+                        PYTHONPATH=str(ROOT))
+        self.args = [sys.executable, "-m", "infra.cli", "history"]
+        for name, table in topics.items():
+            self.args += ["--topic", f"{name}={table}"]
+        self.log = log
+        self.proc = None
+        self.client = SqlClient(settings, sink_url=f"http://127.0.0.1:{self.port}", token=token)
+
+    def start(self) -> "SinkProcess":
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=open(self.log, "ab"),
+                                     stderr=subprocess.STDOUT)
+        return self
+
+    def counts(self) -> dict[str, int] | None:
+        from streams.history_sql import SqlError
+
+        parts = ", ".join(f"(SELECT count() FROM tabloop.{t}) AS {t}" for t in EVENT_FOR_TABLE)
+        try:
+            return self.client.query(f"SELECT {parts}").records()[0]
+        except SqlError:
+            return None  # not up yet
+
+    def wait_for(self, predicate, timeout_s: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"sink exited: {self.log.read_text()[-3000:]}"
+            counts = self.counts()
+            if counts is not None and predicate(counts):
+                return counts
+            time.sleep(0.05)
+        raise AssertionError(f"timed out; last counts {self.counts()}; log: {self.log.read_text()[-2000:]}")
+
+    def health_until(self, predicate, timeout_s: float = 60.0) -> dict:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"sink exited: {self.log.read_text()[-3000:]}"
+            try:
+                health = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).json()
+                if predicate(health):
+                    return health
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting on /health; log: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def run_with_kills(kafka_settings, tmp_path, n: int, kills: int, batch_size: int) -> None:
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka_settings.kafka_bootstrap,
+                             history_batch_size=batch_size)
+    topics = scratch_topics(settings, uuid.uuid4().hex[:8])
+    half = n // 2
+    want = produce(settings, topics, half, seed=11)
+    token = "tlh_test_" + uuid.uuid4().hex
+    sink = SinkProcess(settings, topics, token, tmp_path / "sink.log")
+    more: dict[str, int] = {}
+    producer_thread = None
+    try:
+        sink.start()
+        for k in range(kills):
+            # Kill once the sink is well into the stream, at a random point of its batch cycle.
+            floor = (k + 1) * half // (kills + 2)
+            sink.wait_for(lambda c: sum(c.values()) >= floor)
+            time.sleep(random.Random(k).uniform(0, 0.3))
+            sink.kill()
+            if k == 0:  # the rest arrives while the sink is down and after it is back
+                producer_thread = threading.Thread(
+                    target=lambda: more.update(produce(settings, topics, n - half, seed=12)))
+                producer_thread.start()
+            sink.start()
+        producer_thread.join()
+        for table, m in more.items():
+            want[table] += m
+        total = sum(want.values())
+        counts = sink.wait_for(lambda c: sum(c.values()) >= total, timeout_s=max(120, n / 200))
+        time.sleep(1.0)  # anything stored twice would show up now
+        counts = sink.counts()
+        assert counts == want, (counts, want)
+        final = sink.client.query(
+            "SELECT " + ", ".join(f"(SELECT uniqExact(event_id) FROM tabloop.{t}) AS {t}" for t in EVENT_FOR_TABLE)
+        ).records()[0]
+        assert final == want
+        assert sink.client.query("SELECT count() FROM tabloop.rejects").rows == [[0]]
+    finally:
+        sink.stop()
+        if producer_thread is not None:
+            producer_thread.join()
+
+
+@pytest.fixture
+def own_kafka(tmp_path_factory):
+    """A broker of this test's own: the test stops and restarts it, which the session's broker must not see."""
+    from infra.kafka_broker import LocalKafka
+
+    state = tmp_path_factory.mktemp("own-kafka")
+    broker = LocalKafka(make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}"))
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.mark.drill  # a broker of its own, stopped and started again: over a minute on a shared machine
+def test_sigkill_between_storing_and_committing_then_restart_counts_stay_exact(own_kafka, tmp_path):
+    """The worst moment, made certain: the broker goes away, so the sink stores what it has fetched
+    but can't commit it; the sink is killed there, the broker comes back, a new sink starts."""
+    kafka = own_kafka
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, history_batch_size=500)
+    topics = scratch_topics(settings, uuid.uuid4().hex[:8])
+    want = produce(settings, topics, 30_000, seed=21)
+    token = "tlh_test_" + uuid.uuid4().hex
+    sink = SinkProcess(settings, topics, token, tmp_path / "sink.log").start()
+    broker_down = False
+    try:
+        sink.wait_for(lambda c: sum(c.values()) >= 500)
+        kafka.stop()
+        broker_down = True
+        # With the broker gone the commit after the next stored batch waits (or fails): those rows are stored,
+        # their offsets not committed.
+        sink.health_until(lambda h: h["sink"]["uncommitted_rows"] > 0)
+        time.sleep(1.0)
+        uncommitted = sink.health_until(lambda h: True)["sink"]["uncommitted_rows"]
+        sink.kill()
+        kafka.start()
+        broker_down = False
+        sink.start()
+        total = sum(want.values())
+        sink.wait_for(lambda c: sum(c.values()) >= total)
+        time.sleep(1.0)
+        assert sink.counts() == want
+        health = sink.health_until(lambda h: h["sink"]["batches"] > 0)
+        # the restarted sink was handed the stored-but-uncommitted rows again, and skipped each of them
+        assert health["sink"]["skipped_already_stored"] == uncommitted > 0
+    finally:
+        if broker_down:
+            kafka.start()
+        sink.stop()
+
+
+def test_sigkill_mid_batch_then_restart_counts_stay_exact(kafka_settings, tmp_path):
+    run_with_kills(kafka_settings, tmp_path, n=20_000, kills=1, batch_size=1000)
+
+
+@pytest.mark.drill
+def test_drill_300k_events_three_sigkills_counts_exact(kafka_settings, tmp_path):
+    run_with_kills(kafka_settings, tmp_path, n=300_000, kills=3, batch_size=5000)
+
+
+def test_sql_server_needs_the_token_and_refuses_writes(kafka_settings, tmp_path):
+    import httpx
+
+    from streams.history_sql import HistoryServer
+
+    store = new_store()
+    server = HistoryServer(store, "tlh_secret", "127.0.0.1", 0).start()
+    try:
+        url = f"{server.url}/sql"
+        for _ in range(100):
+            try:
+                httpx.get(f"{server.url}/health", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert httpx.post(url, json={"query": "SELECT 1"}).status_code == 401
+        assert httpx.post(url, json={"query": "SELECT 1"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+        auth = {"Authorization": "Bearer tlh_secret"}
+        r = httpx.post(url, json={"query": f"SELECT count() AS n FROM {store.database}.episodes"}, headers=auth)
+        assert r.status_code == 200 and r.json() == {"columns": ["n"], "types": ["UInt64"], "rows": [[0]]}
+        r = httpx.post(url, json={"query": f"DROP TABLE {store.database}.episodes"}, headers=auth)
+        assert r.status_code == 403 and "not DROP" in r.json()["error"]["message"]
+        r = httpx.post(url, content=f"SELECT nope FROM {store.database}.episodes", headers=auth)
+        assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
+        assert store.count("episodes") == 0  # still there
+    finally:
+        server.stop()
