@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -263,6 +264,12 @@ def _pipeline_events(n: int, seed: int, start_ms: int, prefix: str, step_ms: flo
     return completions, feedback
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux): a figure the machine's other load does not skew."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, seconds: float = 20.0,
                    guarantee: str = "exactly_once") -> dict:
     """One streams worker on a broker of its own.
@@ -272,7 +279,6 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
     2. Latency: with the worker caught up, completions and feedback published at ``rate`` feedback/s
        for ``seconds``; latency = feedback published → its episode readable (read_committed).
     """
-    import os
     import subprocess
     import tempfile
     import threading
@@ -335,13 +341,19 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
                                   stdout=open(work / "streams.log", "ab"), stderr=subprocess.STDOUT,
                                   env={**os.environ, **to_environ(s)})
         ids = [f.event_id for f in feedback]
+        cpu_start = None
+        while cpu_start is None and worker.poll() is None:  # CPU from the first episode on, like the clock
+            if arrivals:
+                cpu_start = _cpu_seconds(worker.pid)
+            time.sleep(0.05)
         t_end = wait_for(ids, max(600.0, n / 20), "backlog")
+        cpu_backlog = _cpu_seconds(worker.pid) - (cpu_start or 0.0)
         if t_end is None:
             raise RuntimeError(f"the worker did not finish {n:,} episodes in time; see {work}/streams.log")
         t_first = min(arrivals[i] for i in ids)
         throughput = (n - 1) / (t_end - t_first)
-        print(f"  backlog: {n:,} episodes, {throughput:,.0f}/s after a start-up of {t_first - t_start:.1f}s",
-              file=sys.stderr)
+        print(f"  backlog: {n:,} episodes, {throughput:,.0f}/s after a start-up of {t_first - t_start:.1f}s; "
+              f"{cpu_backlog / n * 1000:.2f} ms of worker CPU per episode", file=sys.stderr)
 
         # Live: each completion shortly before its feedback, feedback at ``rate`` per second.
         m = int(rate * seconds)
@@ -373,6 +385,8 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
     lat = _percentiles(latencies)
     return _emit({"bench": "pipeline", "guarantee": guarantee, "partitions": s.topic_partitions,
                   "backlog_episodes": n, "episodes_per_s": round(throughput),
+                  "worker_cpu_ms_per_episode": round(cpu_backlog / n * 1000, 3),
+                  "episodes_per_worker_cpu_s": round(n / cpu_backlog) if cpu_backlog else None,
                   "worker_startup_s": round(t_first - t_start, 1),
                   "feedback_rate_per_s": round(achieved), "live_episodes": len(latencies), "live_complete": done is not None,
                   "latency_ms_p50": lat.get("p50"), "latency_ms_p99": lat.get("p99"),
