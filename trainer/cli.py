@@ -20,10 +20,12 @@ def _error(message: str) -> click.ClickException:
 
 
 @click.command()
+@click.option("--topic", default="tabloop.episodes", show_default=True,
+              help="Episode topic to train on (e.g. a replayed copy).")
 @click.option("--max-versions", type=click.IntRange(min=1), default=None,
               help="Stop after publishing this many new versions (default: never stop).")
 @click.pass_context
-def train(ctx: click.Context, max_versions: int | None) -> None:
+def train(ctx: click.Context, topic: str, max_versions: int | None) -> None:
     """Continuous PPO on tabloop.episodes; publishes weight versions to the weight store and tabloop.weights."""
     import signal
 
@@ -35,7 +37,7 @@ def train(ctx: click.Context, max_versions: int | None) -> None:
     if not broker_answers(settings):
         raise _error(f"no Kafka answers on {settings.kafka_bootstrap}: run `tabloop kafka start` first")
     try:
-        trainer = OnlineTrainer(settings)
+        trainer = OnlineTrainer(settings, topic=topic)
     except ModelLoadError as exc:
         raise _error(str(exc)) from None
     signal.signal(signal.SIGTERM, lambda *_: trainer.stop())

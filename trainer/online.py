@@ -123,7 +123,7 @@ class OnlineTrainer:
         self.trainer_step = latest.trainer_step if latest else 0
         offsets = dict(latest.source_offsets) if latest else {}
         self.progress = Progress(dict(offsets), dict(offsets))
-        baseline = (latest.metrics and _baseline_from(latest)) or BaselineState.empty()
+        baseline = _baseline_from(latest) if latest is not None else BaselineState.empty()
         self.baseline = baseline
         self.pending = Pending()
         self.producer = EventProducer(settings, client_id="tabloop-trainer")
@@ -155,7 +155,11 @@ class OnlineTrainer:
     def _make_consumers(self) -> tuple[Consumer, Consumer]:
         episodes = Consumer({"bootstrap.servers": self.settings.kafka_bootstrap, "group.id": self.group_id,
                              "enable.auto.commit": False, "auto.offset.reset": "earliest",
-                             "partition.assignment.strategy": "range", "log_level": 3})
+                             "partition.assignment.strategy": "range", "log_level": 3,
+                             # Static membership: a restarted trainer takes its partitions back at once
+                             # instead of waiting out the dead process's session; a second trainer with
+                             # the same group fences the first (one trainer per base model).
+                             "group.instance.id": f"{self.group_id}-trainer", "session.timeout.ms": 30000})
         episodes.subscribe([self.topic], on_assign=self._on_assign)
         weights = Consumer({"bootstrap.servers": self.settings.kafka_bootstrap, "group.id": f"{self.group_id}-weights",
                             "enable.auto.commit": False, "log_level": 3})
