@@ -70,3 +70,53 @@ def test_engine_routes_a_share_to_the_candidate_and_promotes_it(tiny_model, tmp_
     assert 5 <= mixed.count(7) <= 35 and set(mixed) == {0, 7}, mixed
     assert set(after) == {7} and engine.policy_version == 7
     assert set(dropped) == {7} and engine.candidate_version is None
+
+
+def test_weights_commands(kafka, tiny_model, tmp_path):
+    """`tabloop weights list|promote|rollback` against the real broker and a weight store with two versions."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from infra.bus import ensure_topics
+    from infra.cli import main
+    from infra.settings import to_environ
+    from tests.conftest import make_settings
+    from trainer.weight_store import WeightStore, promoted_version, read_weight_records
+
+    base = str(tmp_path / "base")
+    shutil.copytree(tiny_model, base)
+    settings = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=base)
+    ensure_topics(settings)
+    env = {k: v for k, v in to_environ(settings).items()}
+    store = WeightStore(settings.effective_weight_store, base)
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "adapter_model.safetensors").write_bytes(b"w")
+    for v in (1, 2):
+        store.save(v, files, dict(parent_version=v - 1, kind="LORA", trainer_step=v, episodes_consumed=4,
+                                  episodes_trained=4, episodes_dropped={}, source_topic="t", source_offsets_start={},
+                                  source_offsets={"0": 4 * v}, episodes_consumed_total=4 * v, metrics={}))
+    runner = CliRunner()
+
+    def run(*args):
+        return runner.invoke(main, list(args), env=env, catch_exceptions=False)
+
+    out = run("weights", "rollback")
+    assert out.exit_code == 1 and "nothing to roll back" in out.output
+    assert run("weights", "promote", "9").exit_code == 1
+    assert run("weights", "promote", "1").exit_code == 0
+    assert run("weights", "promote", "2").exit_code == 0
+    assert promoted_version(read_weight_records(settings), base) == 2
+    rows = [json.loads(line) for line in run("weights", "list", "--json").output.splitlines()]
+    assert [(r["version"], r["status"], r["serving"]) for r in rows] == [(0, "BASE", False), (1, "PROMOTED", False),
+                                                                        (2, "PROMOTED", True)]
+    out = run("weights", "rollback")
+    assert out.exit_code == 0 and "version 2 rolled back; serving goes to version 1" in out.output
+    assert promoted_version(read_weight_records(settings), base) == 1
+    out = run("weights", "rollback", "0")
+    assert out.exit_code == 0 and "serving goes to version 0" in out.output
+    assert promoted_version(read_weight_records(settings), base) == 0
+    table = run("weights", "list").output
+    assert "ROLLED_BACK" in table and table.splitlines()[1].startswith("*")

@@ -306,10 +306,18 @@ def base_version_event(base_model: str, status: str = "PROMOTED"):
 
 def read_weight_records(settings) -> list[dict]:
     """Every WeightVersion record on tabloop.weights, in order (empty when the topic does not exist yet)."""
+    from confluent_kafka import KafkaException
+
     from infra.bus import read_topic
     from schemas.topics import WEIGHTS
 
-    try:
-        return [r.event.record for r in read_topic(settings, WEIGHTS.name) if r.event is not None]
-    except ValueError:  # the topic does not exist yet
-        return []
+    for attempt in range(10):
+        try:
+            return [r.event.record for r in read_topic(settings, WEIGHTS.name) if r.event is not None]
+        except ValueError:  # the topic does not exist yet
+            return []
+        except KafkaException:  # a topic created a moment ago may have no leader yet
+            if attempt == 9:
+                raise
+            time.sleep(1)
+    return []
