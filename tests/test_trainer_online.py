@@ -20,7 +20,7 @@ from schemas.events import new_event
 from schemas.topics import WEIGHTS
 from tests.conftest import TEST_PARTITIONS, make_settings
 from tests.serving_helpers import find_events
-from trainer.weight_store import WeightStore
+from trainer.weight_store import WeightStore, version_event
 
 pytestmark = pytest.mark.kafka
 
@@ -219,3 +219,28 @@ def test_sigkill_between_and_during_updates(setup, tmp_path):
     assert log_file.read_text().count("resuming at version") == 3
     events = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base, want=8)
     assert sorted({e.record["version"] for e in events}) == list(range(1, 9))
+
+
+def test_a_rollback_makes_the_trainer_go_on_from_the_promoted_version(setup):
+    """After `weights rollback`, the next version builds on what serves, not on the rejected weights."""
+    from trainer.online import OnlineTrainer
+    from trainer.weight_store import base_version_event
+
+    settings, topic, tok, base = setup
+    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(max_versions=1)
+        store = WeightStore(settings.effective_weight_store, base)
+        with EventProducer(settings) as producer:  # what `tabloop weights rollback` publishes
+            producer.publish(version_event(store.manifest(1), "ROLLED_BACK"))
+            producer.publish(base_version_event(base))
+        produce(settings, topic, [episode(tok, 10 + i, "acme", policy_version=1) for i in range(4)])
+        trainer.run(max_versions=1)
+    finally:
+        trainer.close()
+    m2 = store.manifest(2)
+    assert m2.parent_version == 0, "version 2 was trained on from the rolled-back version 1"
+    assert m2.episodes_consumed == 4 and m2.episodes_trained == 4
+    assert "training goes on from version 0" in (settings.trainer_dir / "trainer.log").read_text()
+    assert_exactly_once(store.manifests(), end_offsets(settings, topic))

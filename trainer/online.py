@@ -85,7 +85,7 @@ def drop_reason(episode: dict, current_version: int, max_staleness: int) -> str 
 
 class OnlineTrainer:
     def __init__(self, settings: Settings, *, topic: str = EPISODES.name, group_id: str | None = None):
-        from trainer.models import load_model, resolve_model_spec
+        from trainer.models import resolve_model_spec
 
         self.settings = settings
         self.topic = topic
@@ -103,21 +103,7 @@ class OnlineTrainer:
             logging.getLogger("tabloop").setLevel(logging.INFO)
 
         latest = self.store.latest()
-        full = settings.trainer_full_finetune
-        dtype = "float32" if (full or not self.device.startswith("cuda")) else "bfloat16"
-        adapter_dir = None
-        if latest is not None and latest.kind == "FULL":
-            model, tokenizer = load_model(str(self.store.materialize(latest.version, self.log_dir / "cache")),
-                                          device=self.device, dtype=dtype)
-            full = True
-        else:
-            model, tokenizer = load_model(self.base_model, device=self.device, dtype=dtype)
-            if latest is not None:
-                adapter_dir = self.store.materialize(latest.version, self.log_dir / "cache")
-                full = False
-        self.policy = PolicyTrainer(model, tokenizer, update_config(settings), device=self.device, full=full,
-                                    lora_rank=settings.trainer_lora_rank, adapter_dir=adapter_dir,
-                                    seed=settings.trainer_seed)
+        self.policy = self._load_policy(latest)
         self.version = latest.version if latest else 0
         self.total_consumed = latest.episodes_consumed_total if latest else 0
         self.trainer_step = latest.trainer_step if latest else 0
@@ -139,8 +125,57 @@ class OnlineTrainer:
             log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
         self.metrics_file = open(self.log_dir / "metrics.jsonl", "a")
         log.info("trainer for %s on %s: resuming at version %d, %s, offsets %s", self.base_model, self.device,
-                 self.version, "full fine-tuning" if full else f"LoRA rank {settings.trainer_lora_rank}",
+                 self.version, "full fine-tuning" if self.policy.full else f"LoRA rank {settings.trainer_lora_rank}",
                  offsets or "from the committed/earliest")
+
+    def _load_policy(self, manifest: Manifest | None) -> PolicyTrainer:
+        """A trainer starting from ``manifest``'s weights (None: the base model with fresh adapters)."""
+        from trainer.models import load_model
+
+        full = self.settings.trainer_full_finetune
+        dtype = "float32" if (full or not self.device.startswith("cuda")) else "bfloat16"
+        adapter_dir = None
+        if manifest is not None and manifest.kind == "FULL":
+            local = self.store.materialize(manifest.version, self.log_dir / "cache")
+            model, tokenizer = load_model(str(local), device=self.device, dtype="float32")
+            full = True
+        else:
+            model, tokenizer = load_model(self.base_model, device=self.device, dtype=dtype)
+            if manifest is not None:
+                adapter_dir = self.store.materialize(manifest.version, self.log_dir / "cache")
+                full = False
+        return PolicyTrainer(model, tokenizer, update_config(self.settings), device=self.device, full=full,
+                             lora_rank=self.settings.trainer_lora_rank, adapter_dir=adapter_dir,
+                             seed=self.settings.trainer_seed)
+
+    def _follow_rollbacks(self) -> None:
+        """If the version this trainer builds on was rolled back, go on from the promoted one instead.
+
+        Otherwise the next version, trained on from rejected weights, would be
+        promoted and undo the rollback. Updates made since the last save are
+        discarded with the old weights; their episodes are counted as dropped
+        ("rolled_back"), so the manifests still account for every episode.
+        Episodes waiting for the next update are trained on the new weights.
+        """
+        if self.version == 0:
+            return
+        status = fold_statuses(self.weight_records, self.base_model).get(self.version)
+        if status is None or status.status != "ROLLED_BACK":
+            return
+        target = promoted_version(self.weight_records, self.base_model)
+        if target == self.version:
+            return
+        manifest = self.store.manifest(target) if target in self.store.versions() else None
+        log.info("version %d was rolled back: training goes on from version %d", self.version,
+                 target if manifest is not None else 0)
+        self.policy = self._load_policy(manifest)
+        p = self.progress
+        if p.trained:  # trained into the weights just discarded; episodes still waiting are trained as usual
+            p.dropped["rolled_back"] = p.dropped.get("rolled_back", 0) + p.trained
+            p.trained = 0
+        p.update_metrics.clear()
+        p.updates = 0
+        self.version = manifest.version if manifest is not None else 0
 
     # -- kafka ---------------------------------------------------------------------
 
@@ -173,6 +208,7 @@ class OnlineTrainer:
         self.weight_records = read_weight_records(self.settings)
         self._publish_unannounced()
         self._refresh_canary()
+        self._follow_rollbacks()
         episodes, weights = self._make_consumers()
         published = 0
         last_activity = time.monotonic()
@@ -182,6 +218,7 @@ class OnlineTrainer:
                     if m.error() is None and (r := decode_message(self.codec, m)) and r.event is not None:
                         self.weight_records.append(r.event.record)
                         self._refresh_canary()
+                        self._follow_rollbacks()
                 batch = episodes.consume(500, 1.0)
                 for m in batch:
                     received = decode_message(self.codec, m)
@@ -379,6 +416,7 @@ class OnlineTrainer:
         self.producer.publish(event)
         self.producer.flush()
         self.weight_records.append(event.record)
+        self._follow_rollbacks()
         if self.writer is not None:
             self.writer.add_scalar("canary/promoted", 1.0 if decision == "PROMOTED" else 0.0, tally.candidate)
 
