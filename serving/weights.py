@@ -74,6 +74,7 @@ class WeightWatcher:
         self.engine = engine
         self.codec = make_codec(settings)
         self.failures = 0
+        self.canaries = True  # until the engine says it cannot hold a second version
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -110,6 +111,8 @@ class WeightWatcher:
 
     async def _apply(self, current: ServingPlan, wanted: ServingPlan) -> ServingPlan:
         """Make the engine serve ``wanted``; returns what it serves now (a failed load keeps the old)."""
+        if not self.canaries:
+            wanted = replace(wanted, candidate=None, share=0.0)
         if wanted.promoted != current.promoted:
             try:
                 if current.candidate is not None and wanted.promoted[0] == current.candidate[0]:
@@ -136,8 +139,9 @@ class WeightWatcher:
                     log.info("canary: policy version %d serves %.0f%% of requests", version, 100 * wanted.share)
                 current = replace(current, candidate=wanted.candidate, share=wanted.share)
             except NotImplementedError as exc:
+                # Serve the promoted version only; a later PROMOTED event for the candidate loads it in full.
                 log.warning("%s: version %s is not served as a canary", exc, wanted.candidate)
-                current = replace(current, candidate=wanted.candidate, share=wanted.share)
+                self.canaries = False
             except Exception:
                 self.failures += 1
                 log.exception("could not load canary version %s", wanted.candidate)

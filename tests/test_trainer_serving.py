@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from serving.engines.base import GenerationRequest
 from serving.weights import BASE, ServingPlan, next_plan
 from trainer.cli import rollback_target
@@ -72,6 +74,7 @@ def test_engine_routes_a_share_to_the_candidate_and_promotes_it(tiny_model, tmp_
     assert set(dropped) == {7} and engine.candidate_version is None
 
 
+@pytest.mark.kafka
 def test_weights_commands(kafka, tiny_model, tmp_path):
     """`tabloop weights list|promote|rollback` against the real broker and a weight store with two versions."""
     import json
