@@ -416,5 +416,12 @@ main.add_command(history_cli.sql)
 main.add_command(history_cli.replay)
 bench.add_command(history_cli.bench_history)
 
+from trainer.cli import bench_trainer, train, weights  # noqa: E402
+
+main.add_command(train)
+main.add_command(weights)
+bench.add_command(bench_trainer)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,214 @@
+"""The whole loop on a broker of its own: feedback → front door → streams → episodes → trainer → the same
+`tabloop serve` process answers with the new version, no request failing during the swap; rollback;
+a canary made worse on purpose is rolled back by the rule."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from infra.bus import EventProducer, ensure_topics
+from infra.settings import to_environ
+from schemas.topics import WEIGHTS
+from serving.auth import KeyStore
+from tests.conftest import make_settings
+from tests.serving_helpers import ProcessServer, find_events
+from trainer.weight_store import WeightStore, version_event
+
+pytestmark = [pytest.mark.kafka, pytest.mark.drill]  # three processes and a broker: minutes on two cores
+
+
+@pytest.fixture
+def kafka(tmp_path_factory):
+    """A fresh broker: the streams worker and the trainer read their topics from the start."""
+    from infra.kafka_broker import LocalKafka, free_port
+
+    settings = make_settings(tmp_path_factory.mktemp("e2e-kafka"), kafka_bootstrap=f"127.0.0.1:{free_port()}")
+    broker = LocalKafka(settings)
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+def spawn(settings, args: list[str], log_name: str) -> subprocess.Popen:
+    env = {**os.environ, **to_environ(settings), "PYTHONPATH": os.getcwd()}
+    return subprocess.Popen([sys.executable, "-m", "infra.cli", *args], env=env,
+                            stdout=open(settings.state_dir / log_name, "ab"), stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def liked(token_ids: list[int]) -> bool:
+    """The synthetic user: accepts any completion that is not one token repeated."""
+    return len(set(token_ids)) >= 2
+
+
+class Load:
+    """Clients sending completions all the time; every response's status and policy version is kept."""
+
+    def __init__(self, url: str, key: str, clients: int = 3):
+        self.url, self.key = url, key
+        self.results: list[tuple[int, int, str, list[int]]] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, i: int) -> None:
+        with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {self.key}"}) as http:
+            n = 0
+            while not self.stopping.is_set():
+                r = http.post(f"{self.url}/v1/completions",
+                              json={"prompt": f"def f{i}_{n}(x):\n", "max_tokens": 6, "temperature": 1.0,
+                                    "return_token_ids": True})
+                ids = r.json()["choices"][0].get("token_ids", []) if r.status_code == 200 else []
+                with self.lock:
+                    self.results.append((r.status_code, int(r.headers.get("x-tabloop-policy-version", -1)),
+                                         r.headers.get("x-tabloop-completion-id", ""), ids))
+                n += 1
+
+    def since(self, start: int) -> list:
+        with self.lock:
+            return list(self.results[start:])
+
+    def wait_for(self, predicate, timeout_s: float, what: str, start: int = 0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                for index, result in enumerate(self.results[start:], start):
+                    if predicate(result):
+                        return index
+            time.sleep(0.2)
+        raise AssertionError(f"never saw {what}; last versions: {[r[1] for r in self.results[-20:]]}")
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def send_feedback(url: str, key: str, results) -> int:
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {key}"}) as http:
+        for _, _, completion_id, ids in results:
+            r = http.post(f"{url}/v1/feedback", json={"completion_id": completion_id, "accepted": liked(ids)})
+            assert r.status_code in (200, 202), r.text
+    return len(results)
+
+
+def make_worse(base_dir: str, out_dir) -> str:
+    """A FULL version that repeats one token: the last layer's values become one huge constant."""
+    from trainer.models import load_model
+
+    model, tok = load_model(base_dir)
+    attn = model.model.layers[-1].self_attn
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        attn.v_proj.weight.zero_()
+        attn.v_proj.bias.copy_(torch.randn(attn.v_proj.bias.shape, generator=g) * 1000)
+        model.model.norm.weight.mul_(300)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def test_feedback_to_new_version_to_serving_rollback_and_canary(kafka, tiny_model, tmp_path):
+    base = str(tmp_path / "base")
+    shutil.copytree(tiny_model, base)
+    settings = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=base,
+                             join_window_s=30, join_lateness_s=5, idle_close_s=3, trainer_device="cpu",
+                             trainer_batch_size=8, trainer_batch_wait_s=600, trainer_save_every=1,
+                             trainer_lora_rank=4, trainer_lr=1e-3, canary_min_episodes=6, canary_margin=0.1)
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    ensure_topics(settings)
+    key = KeyStore(settings.keys_file).add("acme", "dev", rate_per_minute=100_000)
+    server = ProcessServer(settings)
+    streams = spawn(settings, ["streams"], "streams.log")
+    trainer = spawn(settings, ["train"], "train.log")
+    load = Load(server.completions_url, key)
+    store = WeightStore(settings.effective_weight_store, base)
+    try:
+        # 1. Eight decisions through the front door's feedback route become eight episodes: one update, version 1.
+        load.wait_for(lambda r: True, 60, "a first completion")
+        deadline = time.monotonic() + 60
+        while len([r for r in load.since(0) if r[0] == 200]) < 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first = [r for r in load.since(0) if r[0] == 200][:8]
+        assert len(first) == 8
+        send_feedback(server.feedback_url, key, first)
+        v1_at = load.wait_for(lambda r: r[1] == 1, 240, "version 1 served")
+        assert store.versions() == [1] and store.manifest(1).episodes_consumed == 8
+
+        # 2. Rollback: one command; the same process goes back to version 0.
+        out = subprocess.run([sys.executable, "-m", "infra.cli", "weights", "rollback"], capture_output=True, text=True,
+                             env={**os.environ, **to_environ(settings), "PYTHONPATH": os.getcwd()}, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "serving goes to version 0" in out.stdout
+        v0_at = load.wait_for(lambda r: r[1] == 0, 60, "version 0 again", start=v1_at)
+
+        # 3. Canary: a version made worse on purpose serves half of the requests; the trainer judges it.
+        stop(trainer)
+        worse = make_worse(base, tmp_path / "worse")
+        version = store.next_version()
+        manifest = store.save(version, tmp_path / "worse", dict(
+            parent_version=0, kind="FULL", trainer_step=0, episodes_consumed=0, episodes_trained=0,
+            episodes_dropped={}, source_topic="tabloop.episodes", source_offsets_start=store.manifest(1).source_offsets,
+            source_offsets=store.manifest(1).source_offsets, episodes_consumed_total=8, metrics={}))
+        assert worse
+        with EventProducer(settings) as producer:
+            producer.publish(version_event(manifest, "CANDIDATE", {"canary_share": 0.5, "baseline_version": 0.0}))
+        trainer = spawn(settings.model_copy(update={"trainer_batch_size": 10_000}), ["train"], "train.log")
+        canary_at = load.wait_for(lambda r: r[1] == version, 120, "the canary served", start=v0_at)
+        deadline = time.monotonic() + 240
+        sent = canary_at
+        decided = []
+        while time.monotonic() < deadline and not decided:
+            batch = [r for r in load.since(sent) if r[0] == 200 and r[1] in (0, version)]
+            sent += len(load.since(sent))
+            send_feedback(server.feedback_url, key, batch)
+            decided = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base
+                                  and e.record["version"] == version and e.record["status"] != "CANDIDATE",
+                                  timeout_s=3)
+        assert decided, "the canary was never decided"
+        decision = decided[-1].record
+        assert decision["status"] == "ROLLED_BACK", decision
+        assert decision["metrics"]["canary_candidate_accept_rate"] < decision["metrics"]["canary_baseline_accept_rate"]
+        assert decision["metrics"]["canary_candidate_episodes"] >= 6
+        # Serving drops the canary: after a moment every request is answered by version 0 again.
+        time.sleep(3)
+        tail_start = len(load.since(0))
+        time.sleep(3)
+        tail = load.since(tail_start)
+        assert tail and {r[1] for r in tail} == {0}, {r[1] for r in tail}
+    finally:
+        load.stop()
+        stop(trainer)
+        stop(streams)
+        server.stop()
+
+    everything = load.since(0)
+    assert everything and all(status == 200 for status, *_ in everything), "a request failed"
+    served = [r[1] for r in everything]
+    assert 1 in served and version in served
+    # The canary served some share of requests while it ran, and only while it ran.
+    last = max(i for i, v in enumerate(served) if v == version)
+    during = served[canary_at:last + 1]
+    assert set(during) == {0, version}
+    assert 0.2 < during.count(version) / len(during) < 0.8 or len(during) < 20, during
+    assert v0_at > v1_at

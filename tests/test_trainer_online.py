@@ -1,0 +1,246 @@
+"""The online trainer on the real broker: versions, manifests, offsets, staleness, restarts, SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import NewTopic
+
+from infra.bus import EventProducer, admin_client, ensure_topics
+from infra.settings import to_environ
+from schemas.events import new_event
+from schemas.topics import WEIGHTS
+from tests.conftest import TEST_PARTITIONS, make_settings
+from tests.serving_helpers import find_events
+from trainer.weight_store import WeightStore, version_event
+
+pytestmark = pytest.mark.kafka
+
+
+def episode(tok, i: int, project: str, policy_version: int | None = 0, accepted: bool = True):
+    ids = tok.encode(f" x + {i}\n", add_special_tokens=False)
+    return new_event("Episode", completion_id=f"cmpl-{project}-{i}", project_id=project, user_id="u",
+                     policy_version=policy_version, prompt=f"def f{i}(x):\n    return", completion_text="",
+                     completion_token_ids=ids, behaviour_logprobs=[-7.5] * len(ids),
+                     outcome="ACCEPTED" if accepted else "REJECTED", reward=0.75 if accepted else -0.25,
+                     reward_components={"acceptance": 0.75 if accepted else -0.25}, scorer="acceptance", matched=True)
+
+
+@pytest.fixture
+def setup(kafka, tiny_model, tmp_path):
+    """A base model of its own (the weights topic is shared), an episode topic and group of its own."""
+    base = str(tmp_path / "base")
+    shutil.copytree(tiny_model, base)
+    topic = f"test.episodes.{uuid.uuid4().hex[:8]}"
+    settings = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=base,
+                             trainer_group=f"g-{uuid.uuid4().hex[:8]}", trainer_batch_size=4, trainer_save_every=1,
+                             trainer_batch_wait_s=100, trainer_lora_rank=4, trainer_lr=1e-3,
+                             trainer_max_staleness=1, trainer_device="cpu")
+    ensure_topics(settings)
+    admin = admin_client(settings)  # kept alive until the topic exists
+    admin.create_topics([NewTopic(topic, TEST_PARTITIONS, 1)])[topic].result(30)
+    from trainer.models import load_model
+
+    _, tok = load_model(base)
+    return settings, topic, tok, base
+
+
+def produce(settings, topic, events) -> None:
+    with EventProducer(settings) as producer:
+        for e in events:
+            producer.publish(e, topic=topic)
+
+
+def end_offsets(settings, topic) -> dict[str, int]:
+    c = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "probe"})
+    try:
+        return {str(p): c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                for p in range(TEST_PARTITIONS)}
+    finally:
+        c.close()
+
+
+def committed(settings, topic) -> dict[str, int]:
+    c = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": settings.trainer_group})
+    try:
+        tps = c.committed([TopicPartition(topic, p) for p in range(TEST_PARTITIONS)], timeout=10)
+        return {str(tp.partition): tp.offset for tp in tps if tp.offset >= 0}
+    finally:
+        c.close()
+
+
+def assert_exactly_once(manifests, topic_end: dict[str, int]) -> None:
+    """Each version starts where its parent stopped; together they cover every offset of the topic once."""
+    previous: dict[str, int] = {}
+    total = 0
+    for m in manifests:
+        assert m.source_offsets_start == previous, f"version {m.version} does not start where {m.parent_version} ended"
+        span = sum(m.source_offsets.get(p, 0) - m.source_offsets_start.get(p, 0) for p in topic_end)
+        assert span == m.episodes_consumed, f"version {m.version}: offsets span {span}, consumed {m.episodes_consumed}"
+        assert m.episodes_consumed == m.episodes_trained + sum(m.episodes_dropped.values())
+        total += m.episodes_consumed
+        assert m.episodes_consumed_total == total
+        previous = m.source_offsets
+    assert {p: o for p, o in previous.items() if o} == {p: o for p, o in topic_end.items() if o}
+    assert total == sum(topic_end.values())
+
+
+def test_versions_offsets_staleness_and_resume(setup):
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    produce(settings, topic, [episode(tok, i, "acme", accepted=i % 3 != 0) for i in range(8)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        assert trainer.version == 0
+        trainer.run(max_versions=2)
+    finally:
+        trainer.close()
+    store = WeightStore(settings.effective_weight_store, base)
+    assert store.versions() == [1, 2]
+    assert committed(settings, topic) == {p: o for p, o in store.manifest(2).source_offsets.items()}
+
+    # Now at version 2 with max_staleness 1: episodes from version 0 are dropped and counted, version 2's trained.
+    produce(settings, topic, [episode(tok, 100 + i, "acme", policy_version=0) for i in range(4)]
+            + [episode(tok, 200 + i, "acme", policy_version=2, accepted=i % 2 == 0) for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)  # a restart: resumes from version 2's adapter and offsets
+    try:
+        assert trainer.version == 2 and trainer.policy.kind == "LORA"
+        trainer.run(max_versions=1)
+    finally:
+        trainer.close()
+    m3 = store.manifest(3)
+    assert m3.parent_version == 2 and m3.episodes_consumed == 8 and m3.episodes_trained == 4
+    assert m3.episodes_dropped == {"stale": 4}
+    assert_exactly_once(store.manifests(), end_offsets(settings, topic))
+    for key in ("reward_mean", "accept_rate", "policy_loss", "approx_kl", "clip_fraction", "entropy", "grad_norm",
+                "lr", "staleness_mean", "tokens_per_s", "update_seconds"):
+        assert key in m3.metrics, key
+    assert m3.metrics["baseline_count/acme"] == 12  # the baseline went on from the manifest, not from zero
+
+    events = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base, want=3)
+    assert [(e.record["version"], e.record["status"]) for e in events] == [(1, "PROMOTED"), (2, "PROMOTED"),
+                                                                            (3, "PROMOTED")]
+    assert events[2].record["uri"] == m3.uri and events[2].record["sha256"] == m3.sha256
+    assert events[2].record["source_offsets"] == m3.source_offsets
+    log_dir = settings.trainer_dir
+    assert (log_dir / "trainer.log").read_text().count("saved") == 3
+    assert len((log_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    assert any((log_dir / "tensorboard").iterdir())
+
+
+def test_unannounced_version_is_published_on_restart(setup):
+    """A crash after the manifest but before the WeightVersion: the next start announces it."""
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    trainer._announce = lambda manifest: None  # the process "dies" before publishing
+    try:
+        trainer.run(max_versions=1)
+    finally:
+        trainer.close()
+    assert find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base, timeout_s=1) == []
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(idle_exit_s=1)
+    finally:
+        trainer.close()
+    events = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base)
+    assert [(e.record["version"], e.record["status"]) for e in events] == [(1, "PROMOTED")]
+
+
+def _spawn(settings, topic, log_path):
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **to_environ(settings),
+           "PYTHONPATH": os.getcwd()}
+    return subprocess.Popen([sys.executable, "-m", "infra.cli", "train", "--topic", topic], env=env,
+                            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+
+
+def _wait_for(path, text: str, count: int, proc, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().count(text) >= count:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited ({proc.returncode}): {path.read_text()[-3000:]}")
+        time.sleep(0.02)
+    raise AssertionError(f"no {count}x {text!r} in {path}: {path.read_text()[-3000:]}")
+
+
+@pytest.mark.drill  # about 110 s: three trainer processes start on two shared cores
+def test_sigkill_between_and_during_updates(setup, tmp_path):
+    """SIGKILL the trainer mid-update and between updates; across all versions each episode counts once."""
+    settings, topic, tok, base = setup
+    # Updates lost with a killed process are redone; no episode is too stale here.
+    settings = settings.model_copy(update={"trainer_save_every": 2, "trainer_max_staleness": 100})
+    produce(settings, topic, [episode(tok, i, f"p{i % 2}", accepted=i % 2 == 0) for i in range(64)])
+    log_file = settings.trainer_dir / "trainer.log"
+    out = tmp_path / "train-out.log"
+
+    proc = _spawn(settings, topic, out)
+    _wait_for(log_file, "update 3 started", 1, proc)
+    proc.send_signal(signal.SIGKILL)  # during update 3 (version 1 is saved; update 3 is lost)
+    proc.wait(10)
+
+    proc = _spawn(settings, topic, out)
+    _wait_for(log_file, "saved", 3, proc)
+    _wait_for(log_file, "update", log_file.read_text().count("update") + 1, proc)  # a little after a save
+    proc.send_signal(signal.SIGKILL)  # between updates, or just after a save
+    proc.wait(10)
+
+    proc = _spawn(settings, topic, out)
+    try:
+        store = WeightStore(settings.effective_weight_store, base)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            manifests = store.manifests()
+            if manifests and manifests[-1].episodes_consumed_total == 64:
+                break
+            time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    manifests = store.manifests()
+    # 64 episodes in batches of 4, a version every 2 updates: 8 versions however often it was killed.
+    assert [m.version for m in manifests] == list(range(1, 9)), [m.version for m in manifests]
+    assert all(m.episodes_consumed == 8 and m.episodes_trained == 8 for m in manifests)
+    assert_exactly_once(manifests, end_offsets(settings, topic))
+    assert [m.parent_version for m in manifests] == list(range(0, 8))
+    assert log_file.read_text().count("resuming at version") == 3
+    events = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base, want=8)
+    assert sorted({e.record["version"] for e in events}) == list(range(1, 9))
+
+
+def test_a_rollback_makes_the_trainer_go_on_from_the_promoted_version(setup):
+    """After `weights rollback`, the next version builds on what serves, not on the rejected weights."""
+    from trainer.online import OnlineTrainer
+    from trainer.weight_store import base_version_event
+
+    settings, topic, tok, base = setup
+    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(max_versions=1)
+        store = WeightStore(settings.effective_weight_store, base)
+        with EventProducer(settings) as producer:  # what `tabloop weights rollback` publishes
+            producer.publish(version_event(store.manifest(1), "ROLLED_BACK"))
+            producer.publish(base_version_event(base))
+        produce(settings, topic, [episode(tok, 10 + i, "acme", policy_version=1) for i in range(4)])
+        trainer.run(max_versions=1)
+    finally:
+        trainer.close()
+    m2 = store.manifest(2)
+    assert m2.parent_version == 0, "version 2 was trained on from the rolled-back version 1"
+    assert m2.episodes_consumed == 4 and m2.episodes_trained == 4
+    assert "training goes on from version 0" in (settings.trainer_dir / "trainer.log").read_text()
+    assert_exactly_once(store.manifests(), end_offsets(settings, topic))
