@@ -336,8 +336,12 @@ def _ensure_kafka(ctx: click.Context) -> None:
 def _print_config(s: Settings) -> None:
     from infra.local import continue_config, new_local_key
 
+    key = new_local_key(s)
     click.echo("")
-    click.echo(continue_config(s, new_local_key(s)))
+    if key:
+        click.echo(f"API key (project 'local'; shown once, only its hash is kept): {key}")
+        click.echo("")
+    click.echo(continue_config(s, key))
 
 
 @main.command()
@@ -361,6 +365,9 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float) -> None:
     _ensure_kafka(ctx)
     ctx.invoke(topics_create)
     if s.model == "demo":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         click.echo(f"model: demo ({resolve_model_spec(s)})")  # built here once, before the children race for it
     if foreground:
         def ready() -> None:
