@@ -57,6 +57,51 @@ def test_status_table_and_json_when_nothing_runs(tmp_path):
     assert proc.returncode == 1 and json.loads(proc.stdout)["running"] is False
 
 
+@pytest.mark.kafka
+def test_children_are_logged_prefixed_restarted_with_back_off_and_stopped(kafka, tmp_path):
+    """The real supervisor on real `tabloop` children: one that never stays up (`kafka status` exits at once),
+    one that runs until killed (`events dump --follow`), SIGKILLed mid-run."""
+    import io
+    import threading
+
+    from infra.bus import ensure_topics
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    ensure_topics(settings)
+    table = (sv.Component("quitter", ("kafka", "status"), health="alive", grace_s=30),
+             sv.Component("follower", ("events", "dump", "tabloop.weights", "--follow"), health="alive",
+                          grace_s=1))
+    out = io.StringIO()
+    sup = sv.Supervisor(settings, table, out=out)
+    thread = threading.Thread(target=sup.run)
+    thread.start()
+    try:
+        quitter, follower = sup.children
+        _wait(lambda: quitter.restarts >= 3, 30, "three restarts of the quitter")
+        _wait(lambda: follower.healthy and follower.pid, 30, "the follower to be healthy")
+        status = sv.read_status(settings)
+        assert [r["component"] for r in status["components"]] == ["quitter", "follower"]
+        assert status["supervisor_pid"] == os.getpid() and sv.supervisor_pid(settings) is None  # not a CLI
+        old = follower.pid
+        os.kill(old, signal.SIGKILL)
+        _wait(lambda: follower.pid not in (None, old) and follower.restarts == 1, 30, "the follower restarted")
+        _wait(lambda: follower.healthy and follower.pid, 30, "the restarted follower to be healthy")
+        assert follower.last_exit == -signal.SIGKILL and quitter.healthy is False
+        pids = [follower.pid]
+    finally:
+        sup.stop()
+        thread.join(60)
+    assert not thread.is_alive() and all(not sv._alive(p) for p in pids)
+    assert {c.state for c in sup.children} == {"stopped"}
+    log = out.getvalue()
+    # Exits in a row wait 1 s, 2 s, 4 s …: the quitter never ran long enough to start over.
+    delays = [int(d) for d in re.findall(r"quitter exited \(code \d+\) after [\d.]+s; restarting in (\d+)s", log)]
+    assert delays[:3] == [1, 2, 4], log
+    assert re.search(r"follower exited \(signal 9\) after [\d.]+s; restarting in 1s \(restart #1\)", log)
+    assert re.search(r"^quitter   \| Kafka ", log, re.M)  # its output, prefixed with its name
+    assert "Kafka " in (tmp_path / "logs" / "quitter.log").read_text()
+
+
 # -- the whole system, as `make up` runs it -------------------------------------------------------
 
 
