@@ -58,13 +58,20 @@ class Component:
     group: str | None = None
     """Its Kafka consumer group: the lag `tabloop status` shows (and readiness when health is ``group``)."""
     grace_s: float = 15.0
+    group_setting: str | None = None
+    """A setting that names the group instead, when this tabloop has it (e.g. ``trainer_group``)."""
+
+    def group_for(self, settings: Settings) -> str | None:
+        if self.group_setting and getattr(settings, self.group_setting, None):
+            return getattr(settings, self.group_setting)
+        return self.group
 
 
 COMPONENTS: tuple[Component, ...] = (
     Component("serve", ("serve",), health="http"),
     Component("streams", ("streams",), health="group", group="tabloop-streams"),
     # Built on their own branches; until merged they show as "not installed".
-    Component("trainer", ("train",), health="alive", group="tabloop-trainer"),
+    Component("trainer", ("train",), health="alive", group="tabloop-trainer", group_setting="trainer_group"),
     Component("history", ("history",), health="alive", group="tabloop-history"),
 )
 
@@ -333,7 +340,7 @@ class Supervisor:
     def _start(self, child: Child) -> None:
         c = child.component
         if c.health == "group":
-            child.members_before = self.probes.group_members(c.group)[1]
+            child.members_before = self.probes.group_members(c.group_for(self.settings))[1]
         env = {**os.environ, **to_environ(self.settings)}
         env["PYTHONUNBUFFERED"] = "1"
         child.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *c.command], env=env,
@@ -374,7 +381,7 @@ class Supervisor:
                 if ready:
                     self.policy_version = body.get("policy_version")
             elif c.health == "group":
-                ready = self.probes.group_ready(c.group, child.members_before)
+                ready = self.probes.group_ready(c.group_for(self.settings), child.members_before)
             else:
                 ready = now - child.started_at >= c.grace_s
             was = child.state
@@ -445,7 +452,7 @@ class Supervisor:
                 "restarts": ch.restarts,
                 "last_exit": ch.last_exit,
                 "uptime_s": round(now - ch.started_at, 1) if ch.pid else None,
-                "group": ch.component.group,
+                "group": ch.component.group_for(self.settings),
                 "log": str((self.log_dir / f"{ch.component.name}.log").resolve()),
             } for ch in self.children],
         }
