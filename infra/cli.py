@@ -333,6 +333,18 @@ def _ensure_kafka(ctx: click.Context) -> None:
         raise TabloopError(str(exc)) from None
 
 
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the front door binds
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def _print_config(s: Settings) -> None:
     from infra.local import continue_config, new_local_key
 
@@ -353,7 +365,6 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float) -> None:
     """Start the system on this machine: Kafka, the topics, then the front door, the streams worker, the trainer
     and the history sink under one supervisor. Returns once all are healthy; prints the Continue config."""
     from infra import supervisor as sv
-    from trainer.models import resolve_model_spec
 
     s = _settings(ctx)
     pid = sv.supervisor_pid(s)
@@ -362,10 +373,16 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float) -> None:
         click.echo(sv.format_table(sv.live_status(s)))
         _print_config(s)
         return
+    busy = [p for p in (s.completions_port, s.feedback_port) if not _port_free(s.serve_host, p)]
+    if busy:
+        raise TabloopError(f"port(s) {', '.join(map(str, busy))} on {s.serve_host} are in use (another tabloop? "
+                           "`tabloop status` shows this one); set TABLOOP_COMPLETIONS_PORT / TABLOOP_FEEDBACK_PORT")
     _ensure_kafka(ctx)
     ctx.invoke(topics_create)
     if s.model == "demo":
         from transformers.utils import logging as hf_logging
+
+        from trainer.models import resolve_model_spec
 
         hf_logging.disable_progress_bar()
         click.echo(f"model: demo ({resolve_model_spec(s)})")  # built here once, before the children race for it

@@ -217,3 +217,17 @@ def test_up_serves_learns_restarts_and_down_leaves_nothing(tmp_path):
     assert "stopped" in down.stdout and "Kafka stopped" in down.stdout
     assert _processes_of(state) == []
     assert _cli(settings, "status").returncode == 1
+
+
+def test_up_refuses_ports_in_use_before_starting_anything(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = make_settings(tmp_path / "state", kafka_bootstrap=f"127.0.0.1:{free_port()}",
+                                 completions_port=port, feedback_port=free_port())
+        up = _cli(settings, "up")
+    assert up.returncode == 1 and f"port(s) {port} on 127.0.0.1 are in use" in up.stderr
+    assert not (tmp_path / "state" / "kafka").exists() and not (tmp_path / "state" / "run").exists()
