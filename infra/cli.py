@@ -379,8 +379,6 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float) -> None:
                            "`tabloop status` shows this one); set TABLOOP_COMPLETIONS_PORT / TABLOOP_FEEDBACK_PORT")
     _ensure_kafka(ctx)
     ctx.invoke(topics_create)
-    for line in sv.prepare_streams_topics(s):
-        click.echo(line)
     if s.model == "demo":
         from transformers.utils import logging as hf_logging
 

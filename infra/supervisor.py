@@ -468,22 +468,6 @@ class UpError(RuntimeError):
     pass
 
 
-def prepare_streams_topics(settings: Settings) -> list[str]:
-    """Create the streams worker's two repartition topics before its first start.
-
-    Left to the worker, a fresh cluster races: Faust creates them, then its group leader assigns partitions
-    from metadata that does not list them yet, logs "Ignoring missing topic" and leaves them unconsumed until
-    the next metadata refresh (5 minutes), so no episode is joined meanwhile. Created beforehand with the
-    settings Faust would use (the topic partitions and replication), they are simply found.
-    """
-    from infra.bus import ensure_topics
-    from schemas.topics import Topic
-    from streams.app import APP_ID
-
-    return ensure_topics(settings, [Topic(f"{APP_ID}-by-prompt", "internal"),
-                                    Topic(f"{APP_ID}-by-completion", "internal")])
-
-
 def spawn_detached(settings: Settings) -> subprocess.Popen:
     """Start `tabloop supervise` in its own session, its output in logs/supervisor.log."""
     log_dir(settings).mkdir(parents=True, exist_ok=True)
