@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tabloop-installed
 
-.PHONY: up down test drills install kafka-jars bench clean
+.PHONY: up down status test drills install kafka-jars bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,11 +27,15 @@ up: kafka-jars
 down: install
 	$(BIN)/tabloop down
 
+status: install
+	$(BIN)/tabloop status
+
 # The test session starts its own broker on a free port and stops it at the end.
 test: kafka-jars
 	$(BIN)/python -m pytest
 
-# Long end-to-end runs: the streams worker on 10k/10k events, SIGKILL mid-stream, dead letters.
+# Long end-to-end runs: the streams worker on 10k/10k events, SIGKILL mid-stream, dead letters;
+# tabloop up/down end to end with crashed components restarted.
 drills: kafka-jars
 	$(BIN)/python -m pytest -m drill
 

@@ -312,36 +312,146 @@ def model_tiny(out_dir: str, seed: int) -> None:
     click.echo(f"tiny model in {build_tiny_model(Path(out_dir), seed=seed)}")
 
 
-# -- whole system (grows with the other components) ------------------------------
+# -- whole system ---------------------------------------------------------------------
+
+
+def _ensure_kafka(ctx: click.Context) -> None:
+    """Kafka for `up`: a broker already answering on the bootstrap is used as it is; otherwise the local one
+    is started (only a 127.0.0.1 bootstrap can be started here)."""
+    from infra.bus import broker_answers
+    from infra.kafka_broker import KafkaLaunchError
+
+    s = _settings(ctx)
+    if broker_answers(s):
+        click.echo(f"Kafka answers on {s.kafka_bootstrap}")
+        return
+    try:
+        ctx.invoke(kafka_start)
+    except TabloopError as exc:
+        raise TabloopError(f"no Kafka answers on {s.kafka_bootstrap} and none can be started here: {exc.message}")
+    except KafkaLaunchError as exc:
+        raise TabloopError(str(exc)) from None
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the front door binds
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _print_config(s: Settings) -> None:
+    from infra.local import continue_config, new_local_key
+
+    key = new_local_key(s)
+    click.echo("")
+    if key:
+        click.echo(f"API key (project 'local'; shown once, only its hash is kept): {key}")
+        click.echo("")
+    click.echo(continue_config(s, key))
 
 
 @main.command()
+@click.option("--foreground", is_flag=True, help="Keep the supervisor in this terminal (Ctrl-C stops everything).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=900, show_default=True,
+              help="Seconds to wait for every component to become healthy.")
 @click.pass_context
-def up(ctx: click.Context) -> None:
-    """Start the system on this machine: Kafka, the topics, the front door; print the Continue config."""
-    from infra.local import LocalRunError, continue_config, new_local_key, start_serving
+def up(ctx: click.Context, foreground: bool, timeout_s: float) -> None:
+    """Start the system on this machine: Kafka, the topics, then the front door, the streams worker, the trainer
+    and the history sink under one supervisor. Returns once all are healthy; prints the Continue config."""
+    from infra import supervisor as sv
 
-    ctx.invoke(kafka_start)
-    ctx.invoke(topics_create)
     s = _settings(ctx)
+    pid = sv.supervisor_pid(s)
+    if pid is not None:
+        click.echo(f"tabloop is already up (supervisor pid {pid}):")
+        click.echo(sv.format_table(sv.live_status(s)))
+        _print_config(s)
+        return
+    busy = [p for p in (s.completions_port, s.feedback_port) if not _port_free(s.serve_host, p)]
+    if busy:
+        raise TabloopError(f"port(s) {', '.join(map(str, busy))} on {s.serve_host} are in use (another tabloop? "
+                           "`tabloop status` shows this one); set TABLOOP_COMPLETIONS_PORT / TABLOOP_FEEDBACK_PORT")
+    _ensure_kafka(ctx)
+    ctx.invoke(topics_create)
+    if s.model == "demo":
+        from transformers.utils import logging as hf_logging
+
+        from trainer.models import resolve_model_spec
+
+        hf_logging.disable_progress_bar()
+        click.echo(f"model: demo ({resolve_model_spec(s)})")  # built here once, before the children race for it
+    if foreground:
+        def ready() -> None:
+            click.echo(sv.format_table(sv.live_status(s)))
+            _print_config(s)
+
+        sv.Supervisor(s, on_all_healthy=ready).run()
+        _stop_local_broker(s)
+        return
+    proc = sv.spawn_detached(s)
+    click.echo(f"supervisor started (pid {proc.pid}); logs in {sv.log_dir(s).resolve()}; waiting for health…")
     try:
-        pid = start_serving(s)
-    except LocalRunError as exc:
-        raise TabloopError(str(exc)) from None
-    click.echo(f"front door up (pid {pid}): completions http://{s.serve_host}:{s.completions_port}/v1, "
-               f"feedback http://{s.serve_host}:{s.feedback_port}; logs in {s.state_dir / 'serve.log'}")
-    click.echo("")
-    click.echo(continue_config(s, new_local_key(s)))
+        sv.wait_all_healthy(s, proc, timeout_s)
+    except sv.UpError as exc:
+        for line in sv.stop_supervisor(s):
+            click.echo(line)
+        raise TabloopError(f"{exc}\n(Kafka is still running: `tabloop down` stops it)") from None
+    click.echo(sv.format_table(sv.live_status(s)))
+    click.echo(f"completions http://{s.serve_host}:{s.completions_port}/v1, "
+               f"feedback http://{s.serve_host}:{s.feedback_port}; `tabloop status`, `tabloop down`")
+    _print_config(s)
+
+
+@main.command(hidden=True)
+@click.pass_context
+def supervise(ctx: click.Context) -> None:
+    """The supervisor process itself (what `tabloop up` leaves running)."""
+    from infra.supervisor import Supervisor
+
+    Supervisor(_settings(ctx)).run()
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Each component: pid, healthy, state, restarts, policy version, consumer lag. Exit 0 only if all healthy."""
+    from infra.supervisor import format_table, live_status
+
+    st = live_status(_settings(ctx))
+    click.echo(json.dumps(st) if as_json else format_table(st))
+    ctx.exit(0 if st["healthy"] else 1)
 
 
 @main.command()
 @click.pass_context
 def down(ctx: click.Context) -> None:
-    """Stop what `tabloop up` started."""
-    from infra.local import stop_serving
+    """Stop what `tabloop up` started: the supervisor, its components, the local broker."""
+    from infra.supervisor import stop_supervisor
 
-    click.echo("front door stopped" if stop_serving(_settings(ctx)) else "front door was not running")
-    ctx.invoke(kafka_stop)
+    s = _settings(ctx)
+    said = stop_supervisor(s)
+    for line in said or ["the supervisor was not running"]:
+        click.echo(line)
+    _stop_local_broker(s)
+
+
+def _stop_local_broker(s: Settings) -> None:
+    """Stop the broker started from this state dir; a broker someone else runs is left alone."""
+    from infra.kafka_broker import KafkaLaunchError, LocalKafka
+
+    try:
+        broker = LocalKafka(s)
+    except KafkaLaunchError:
+        click.echo(f"Kafka on {s.kafka_bootstrap} is not ours: left running")
+        return
+    click.echo("Kafka stopped" if _broker_call(broker.stop) else "Kafka: none of ours was running")
 
 
 # -- benchmarks ---------------------------------------------------------------

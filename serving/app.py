@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections import OrderedDict
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
@@ -17,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from infra.settings import Settings
-from serving import feedback
+from serving import feedback, openapi
 from serving.auth import KeyStore, Principal, RateLimiter
 from serving.completions import CompletionRun, parse_completion_request
 from serving.engines.base import Engine
@@ -25,6 +26,7 @@ from serving.http import HTTPProblem, SSEResponse, read_json
 from serving.publisher import EventPublisher
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+SERVED_TO_REMEMBERED = 100_000
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -59,6 +61,9 @@ class FrontDoor:
         self.limiter = RateLimiter(settings.rate_limit_per_minute)
         self.metrics = Metrics()
         self.replica_id = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        # completion id -> project, for the completions this replica served lately: feedback from another
+        # project naming one of them is refused here (the streams join refuses it for every replica).
+        self.served_to: OrderedDict[str, str] = OrderedDict()
 
     # -- auth -----------------------------------------------------------------------
 
@@ -122,6 +127,9 @@ class FrontDoor:
             if run.latency_ms > 0:
                 m.tokens_per_s.set(len(run.token_ids) / (run.latency_ms / 1000))
         m.completions.labels(run.finish_reason or "abort").inc()
+        self.served_to[run.completion_id] = run.project_id
+        if len(self.served_to) > SERVED_TO_REMEMBERED:
+            self.served_to.popitem(last=False)
         self.publisher.submit(run.event())
         m.events.labels("completion").inc()
 
@@ -139,6 +147,10 @@ class FrontDoor:
         event = parse(body, project_id=caller.project_id, user_id=caller.user_id)
         if event is None:  # a data: event that is not about autocomplete
             return JSONResponse({"event_id": None, "ignored": body.get("name")}, status_code=202)
+        owner = self.served_to.get(event.record.get("completion_id") or "")
+        if owner is not None and owner != caller.project_id:
+            raise HTTPProblem(403, f"completion {event.record['completion_id']!r} was not served to project "
+                                   f"{caller.project_id!r}", kind="permission_error", param="completion_id")
         where = await self.publisher.publish_durably(event)
         self.metrics.feedback.labels(event.record["source"]).inc()
         self.metrics.events.labels("feedback").inc()
@@ -173,6 +185,14 @@ class FrontDoor:
         self.metrics.policy_version.set(self.engine.policy_version)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def _openapi(self, make):
+        async def endpoint(request: Request) -> Response:
+            doc = make(self.settings)
+            doc["servers"] = [{"url": str(request.base_url).rstrip("/")}]  # as the caller reached us
+            return JSONResponse(doc)
+
+        return endpoint
+
     # -- the route tables -----------------------------------------------------------------
 
     def _common(self) -> list[Route]:
@@ -183,6 +203,7 @@ class FrontDoor:
         return Starlette(routes=[
             Route("/v1/completions", _guard(self.completions), methods=["POST"]),
             Route("/v1/models", _guard(self.models)),
+            Route("/openapi.json", self._openapi(openapi.completions_document)),
             *self._common(),
         ])
 
@@ -191,6 +212,7 @@ class FrontDoor:
             Route("/api/training/submit", _guard(self.fork_feedback), methods=["POST"]),
             Route("/api/continue/events", _guard(self.continue_events), methods=["POST"]),
             Route("/v1/feedback", _guard(self.api_feedback), methods=["POST"]),
+            Route("/openapi.json", self._openapi(openapi.feedback_document)),
             *self._common(),
         ])
 

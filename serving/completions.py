@@ -87,6 +87,8 @@ def parse_completion_request(body, settings: Settings) -> CompletionParams:
     if logprobs is not None and not 0 <= logprobs <= 5:
         raise HTTPProblem(400, "'logprobs' must be between 0 and 5", param="logprobs")
     seed = body_field(body, "seed", int)
+    if seed is not None and not -2**63 <= seed < 2**63:  # what vLLM and torch take: a 64-bit integer
+        raise HTTPProblem(400, "'seed' must be a 64-bit integer", param="seed")
     return CompletionParams(
         client_prompt=prompt,
         model_prompt=build_fim_prompt(prompt, suffix) if suffix is not None else prompt,
@@ -132,6 +134,8 @@ class CompletionRun:
         """Tokenize and trim the prompt; raises HTTPProblem before any response is started."""
         tok = self.engine.tokenizer
         ids = tok.encode(self.params.model_prompt, add_special_tokens=False)
+        if not ids:  # the model has nothing to continue (and no BOS token of its own to start from)
+            raise HTTPProblem(400, "'prompt' is empty", param="prompt")
         if len(ids) > self.settings.max_prompt_tokens:
             special = set(tok.all_special_ids) | {i for i in tok.convert_tokens_to_ids(list(QWEN_STOP_WORDS))
                                                   if i is not None}

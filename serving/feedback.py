@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 from schemas.events import Event, new_event
 from serving.http import HTTPProblem, field
@@ -16,6 +17,18 @@ from serving.http import HTTPProblem, field
 FORK_TEXT_FIELDS = ("completionId", "filepath", "prefix", "suffix", "prompt", "completion", "modelProvider",
                     "modelName", "uniqueId")
 OUTCOMES = ("ACCEPTED", "REJECTED", "PARTIAL")
+
+
+MAX_MILLIS = 2**63 - 1  # an Avro long
+
+
+def _millis(value, label: str) -> int | None:
+    """A duration in ms as the event stores it (a long): finite, not negative, fits 64 bits; else 400."""
+    if value is None:
+        return None
+    if not math.isfinite(value) or not 0 <= value <= MAX_MILLIS:
+        raise HTTPProblem(400, f"'{label}' must be a number of milliseconds from 0 to {MAX_MILLIS}", param=label)
+    return int(value)
 
 
 def _sha(text: str | None) -> str | None:
@@ -34,7 +47,7 @@ def _continue_feedback(data: dict, *, where: str, source: str, project_id: str, 
     for name in FORK_TEXT_FIELDS:
         field(data, name, str, where=where)
     accepted = field(data, "accepted", bool, required=True, where=where)
-    decision_ms = field(data, "time", (int, float), where=where)
+    decision_ms = _millis(field(data, "time", (int, float), where=where), f"{where}time")
     field(data, "numLines", int, where=where)
     cache_hit = field(data, "cacheHit", bool, default=False, where=where)
     prompt, completion = data.get("prompt"), data.get("completion")
@@ -43,7 +56,7 @@ def _continue_feedback(data: dict, *, where: str, source: str, project_id: str, 
         client_completion_id=data.get("completionId"), prompt=prompt, prompt_sha256=_sha(prompt),
         completion=completion, outcome="ACCEPTED" if accepted else "REJECTED",
         accepted_chars=len(completion) if accepted and completion is not None else None,
-        time_to_decision_ms=int(decision_ms) if decision_ms is not None else None, cache_hit=cache_hit,
+        time_to_decision_ms=decision_ms, cache_hit=cache_hit,
         filepath=data.get("filepath"), model_name=data.get("modelName"), raw_payload=json.dumps(raw),
     )
 
@@ -95,5 +108,6 @@ def from_api(body, *, project_id: str, user_id: str) -> Event:
         "FeedbackReceived", project_id=project_id, user_id=user_id, source="api", completion_id=completion_id,
         completion=accepted_text, outcome=outcome,
         accepted_chars=len(accepted_text) if accepted_text is not None else None,
-        time_to_decision_ms=field(body, "time_to_decision_ms", int), raw_payload=json.dumps(body),
+        time_to_decision_ms=_millis(field(body, "time_to_decision_ms", int), "time_to_decision_ms"),
+        raw_payload=json.dumps(body),
     )

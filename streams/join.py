@@ -170,6 +170,9 @@ class EpisodeJoiner:
         if completion is None:
             self.early.setdefault(completion_id, []).append(fb)
             return None
+        if completion["project_id"] != fb["project_id"]:
+            # Another project naming this completion (a guessed or replayed id): it must not label it.
+            return self.unmatched(fb, "foreign_feedback")
         self.seen_feedback[identity] = millis(fb["received_at"])
         del self.open[completion_id]
         self.closed[completion_id] = millis(completion["served_at"])

@@ -1,0 +1,587 @@
+"""The one-machine supervisor behind `tabloop up|down|status`.
+
+One process runs every component as a child (`tabloop serve`, `tabloop streams`,
+`tabloop train`, `tabloop history`), each in its own process group:
+
+- its output goes to ``<state_dir>/logs/<name>.log`` and, prefixed with its
+  name, to the supervisor's own output (``<state_dir>/logs/supervisor.log``
+  when detached, the terminal with ``--foreground``);
+- a child that exits is started again after an exponential back-off
+  (``restart_delay``); the back-off resets once it has run ``STABLE_AFTER_S``;
+- every couple of seconds each child's readiness is probed (the table below)
+  and the whole picture is written to ``<state_dir>/run/status.json``, which
+  `tabloop status` and `tabloop up` read.
+
+The components are one table, ``COMPONENTS``. A component whose command is not
+(yet) a registered `tabloop` command is reported as "not installed" and skipped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TextIO
+
+import httpx
+
+from infra.settings import Settings, to_environ
+
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 60.0
+STABLE_AFTER_S = 60.0  # a child that ran this long starts its back-off from the beginning again
+PROBE_EVERY_S = 2.0
+STOP_TIMEOUT_S = 20.0
+HUNG_RESTART_S = 120.0  # an HTTP component that was ready and stops answering this long is restarted
+STATUS_FILE = "status.json"
+PID_FILE = "supervisor.pid"
+
+
+# -- the component table ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    command: tuple[str, ...]
+    """The `tabloop` subcommand (and its arguments) that runs it."""
+    health: str
+    """How readiness is probed: ``http`` (the front door's /readyz answers 200), ``group`` (its Kafka
+    consumer group is Stable with at least one member), ``alive`` (running for ``grace_s``)."""
+    group: str | None = None
+    """Its Kafka consumer group: the lag `tabloop status` shows (and readiness when health is ``group``)."""
+    grace_s: float = 15.0
+    group_setting: str | None = None
+    """A setting that names the group instead, when this tabloop has it (e.g. ``trainer_group``)."""
+
+    def group_for(self, settings: Settings) -> str | None:
+        if self.group_setting and getattr(settings, self.group_setting, None):
+            return getattr(settings, self.group_setting)
+        return self.group
+
+
+COMPONENTS: tuple[Component, ...] = (
+    Component("serve", ("serve",), health="http"),
+    Component("streams", ("streams",), health="group", group="tabloop-streams"),
+    # Built on their own branches; until merged they show as "not installed".
+    Component("trainer", ("train",), health="alive", group="tabloop-trainer", group_setting="trainer_group"),
+    Component("history", ("history",), health="alive", group="tabloop-history"),
+)
+
+
+def installed_commands() -> set[str]:
+    from infra.cli import main
+
+    return set(main.commands)
+
+
+def restart_delay(failures: int, base_s: float = BACKOFF_BASE_S, max_s: float = BACKOFF_MAX_S) -> float:
+    """Seconds to wait before start number ``failures + 1`` after ``failures`` crashes in a row:
+    1, 2, 4, 8 … capped at ``max_s``. No wait before the first start."""
+    if failures <= 0:
+        return 0.0
+    return min(max_s, base_s * 2 ** (failures - 1))
+
+
+# -- where things live ------------------------------------------------------------------------
+
+
+def run_dir(settings: Settings) -> Path:
+    return settings.state_dir / "run"
+
+
+def log_dir(settings: Settings) -> Path:
+    return settings.state_dir / "logs"
+
+
+def supervisor_pid(settings: Settings) -> int | None:
+    """The running supervisor's pid, or None (no pid file, or its process is gone or someone else)."""
+    try:
+        pid = int((run_dir(settings) / PID_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if _is_tabloop(pid) else None
+
+
+def read_status(settings: Settings) -> dict | None:
+    try:
+        return json.loads((run_dir(settings) / STATUS_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _is_tabloop(pid: int) -> bool:
+    """Alive and running tabloop's CLI (a recycled pid belongs to someone else)."""
+    if not _alive(pid):
+        return False
+    try:
+        return b"infra.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+# -- probes ------------------------------------------------------------------------------------
+
+
+class Probes:
+    """Readiness and lag, read from the components' own surfaces and from Kafka."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._admin = None
+
+    @property
+    def ready_url(self) -> str:
+        return f"http://{self.settings.serve_host}:{self.settings.completions_port}/readyz"
+
+    def admin(self):
+        if self._admin is None:
+            from infra.bus import admin_client
+
+            self._admin = admin_client(self.settings)
+        return self._admin
+
+    def front_door(self) -> dict | None:
+        """The front door's /readyz body when it answers 200, else None."""
+        try:
+            resp = httpx.get(self.ready_url, timeout=2)
+        except httpx.HTTPError:
+            return None
+        return resp.json() if resp.status_code == 200 else None
+
+    def group_members(self, group: str) -> tuple[bool, set[str]]:
+        """(Stable?, member ids) of a consumer group; (False, empty) when Kafka does not say."""
+        from confluent_kafka import ConsumerGroupState
+
+        try:
+            desc = self.admin().describe_consumer_groups([group], request_timeout=3)[group].result(timeout=5)
+        except Exception:  # broker down, group unknown
+            return False, set()
+        return desc.state == ConsumerGroupState.STABLE, {m.member_id for m in desc.members}
+
+    def group_ready(self, group: str, members_before: set[str]) -> bool:
+        """Stable, with a member that joined after ``members_before`` was taken: a restarted worker is ready
+        once *it* has joined, not while the group still lists the member that died."""
+        stable, members = self.group_members(group)
+        return stable and bool(members - members_before)
+
+    def lag(self, group: str) -> int | None:
+        """Events of the event log (the catalog's topics) the group has not committed yet; None when it has
+        committed nothing there (or Kafka does not answer). A worker's internal topics are left out: Faust
+        commits just before a transaction's commit marker, so an idle worker would show one per partition."""
+        from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel
+        from confluent_kafka.admin import OffsetSpec
+
+        try:
+            admin = self.admin()
+            committed = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
+                                                          request_timeout=3)[group].result(timeout=5)
+            from schemas.topics import CATALOG
+
+            event_log = {t.name for t in CATALOG}
+            parts = [tp for tp in committed.topic_partitions if tp.offset >= 0 and tp.topic in event_log]
+            if not parts:
+                return None
+            # read_committed: the end a transactional reader can reach (Faust writes in transactions).
+            ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts},
+                                      isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=3)
+            total = 0
+            for tp in parts:
+                end = next(f for k, f in ends.items() if (k.topic, k.partition) == (tp.topic, tp.partition))
+                total += max(0, end.result(timeout=5).offset - tp.offset)
+            return total
+        except Exception:
+            return None
+
+
+# -- the supervisor ------------------------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    component: Component
+    state: str = "starting"  # starting | healthy | unhealthy | backoff | stopped | not installed
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    ready_since: float | None = None
+    unready_since: float | None = None
+    failures: int = 0
+    restarts: int = 0
+    next_start: float = 0.0
+    last_exit: int | None = None
+    members_before: set[str] = field(default_factory=set)
+    reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "healthy"
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: its own process group, and SIGTERM when the supervisor dies
+    (even by SIGKILL), so no component outlives the supervisor."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, components: tuple[Component, ...] = COMPONENTS, *,
+                 out: TextIO | None = None, on_all_healthy: Callable[[], None] | None = None):
+        self.settings = settings
+        self.out = out or sys.stdout
+        self.on_all_healthy = on_all_healthy
+        self.probes = Probes(settings)
+        self.run_dir = run_dir(settings)
+        self.log_dir = log_dir(settings)
+        self._out_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._last_probe = 0.0
+        self._announced = False
+        self.policy_version: int | None = None
+        available = installed_commands()
+        self.children = [Child(c) for c in components]
+        for child in self.children:
+            if child.component.command[0] not in available:
+                child.state = "not installed"
+
+    # -- output ----------------------------------------------------------------
+
+    def say(self, name: str, line: str) -> None:
+        with self._out_lock:
+            self.out.write(f"{name:<10}| {line}\n")
+            self.out.flush()
+
+    def _pump(self, child: Child, proc: subprocess.Popen) -> None:
+        """Copy a child's output to its log file and, prefixed, to ours."""
+        name = child.component.name
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            for raw in iter(proc.stdout.readline, b""):
+                log.write(raw)
+                log.flush()
+                self.say(name, raw.decode(errors="replace").rstrip("\n"))
+        proc.stdout.close()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def run(self) -> None:
+        """Start everything and keep it running until SIGTERM/SIGINT (or ``stop()``)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / PID_FILE).write_text(f"{os.getpid()}\n")
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stopping.set())
+        for child in self.children:
+            if child.state == "not installed":
+                self.say("supervisor", f"{child.component.name}: `tabloop {child.component.command[0]}` is not "
+                                       "installed in this tabloop; skipped")
+        try:
+            while not self._stopping.is_set():
+                self.tick()
+                self._stopping.wait(0.25)
+        finally:
+            self.say("supervisor", "stopping")
+            for child in reversed(self.children):
+                self._stop_child(child)
+            self._write_status()
+            (self.run_dir / PID_FILE).unlink(missing_ok=True)
+            self.say("supervisor", "stopped")
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.state in ("not installed", "stopped"):
+                continue
+            if child.proc is not None and child.proc.poll() is not None:
+                self._on_exit(child, now)
+            if child.proc is None and now >= child.next_start:
+                self._start(child)
+        if now - self._last_probe >= PROBE_EVERY_S:
+            self._last_probe = now
+            self._probe(now)
+            self._write_status()
+
+    def _start(self, child: Child) -> None:
+        c = child.component
+        if c.health == "group":
+            child.members_before = self.probes.group_members(c.group_for(self.settings))[1]
+        env = {**os.environ, **to_environ(self.settings)}
+        env["PYTHONUNBUFFERED"] = "1"
+        child.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *c.command], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      preexec_fn=_die_with_parent)
+        child.started_at = time.monotonic()
+        child.ready_since = child.unready_since = None
+        child.state = "starting"
+        child.reader = threading.Thread(target=self._pump, args=(child, child.proc), daemon=True,
+                                        name=f"pump-{c.name}")
+        child.reader.start()
+        self.say("supervisor", f"started {c.name} (pid {child.proc.pid}): tabloop {' '.join(c.command)}")
+
+    def _on_exit(self, child: Child, now: float) -> None:
+        code = child.proc.returncode
+        ran = now - child.started_at
+        child.last_exit = code
+        child.proc = None
+        child.ready_since = None
+        # A run long enough to count as stable starts the back-off over.
+        child.failures = 1 if ran >= STABLE_AFTER_S else child.failures + 1
+        delay = restart_delay(child.failures)
+        child.next_start = now + delay
+        child.restarts += 1
+        child.state = "backoff"
+        why = f"signal {-code}" if code < 0 else f"code {code}"
+        self.say("supervisor", f"{child.component.name} exited ({why}) after {ran:.1f}s; "
+                               f"restarting in {delay:.0f}s (restart #{child.restarts})")
+
+    def _probe(self, now: float) -> None:
+        for child in self.children:
+            if child.proc is None:
+                continue
+            c = child.component
+            if c.health == "http":
+                body = self.probes.front_door()
+                ready = body is not None
+                if ready:
+                    self.policy_version = body.get("policy_version")
+            elif c.health == "group":
+                ready = self.probes.group_ready(c.group_for(self.settings), child.members_before)
+            else:
+                ready = now - child.started_at >= c.grace_s
+            was = child.state
+            if ready:
+                child.ready_since = child.ready_since or now
+                child.unready_since = None
+                child.state = "healthy"
+            else:
+                child.unready_since = child.unready_since or now
+                child.state = "starting" if child.ready_since is None else "unhealthy"
+                if (c.health == "http" and child.ready_since is not None
+                        and now - child.unready_since >= HUNG_RESTART_S):
+                    self.say("supervisor", f"{c.name} has not answered for {HUNG_RESTART_S:.0f}s; restarting it")
+                    self._kill(child)
+            if child.state != was and child.state in ("healthy", "unhealthy"):
+                self.say("supervisor", f"{c.name} is {child.state}")
+        if not self._announced and self.all_healthy():
+            self._announced = True
+            self.say("supervisor", "all components healthy")
+            if self.on_all_healthy:
+                self.on_all_healthy()
+
+    def all_healthy(self) -> bool:
+        return all(c.healthy for c in self.children if c.state != "not installed")
+
+    def _kill(self, child: Child, sig: int = signal.SIGKILL) -> None:
+        if child.proc is not None and child.proc.poll() is None:
+            try:
+                os.killpg(child.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _stop_child(self, child: Child) -> None:
+        if child.proc is None:
+            if child.state != "not installed":
+                child.state = "stopped"
+            return
+        if child.proc.poll() is None:
+            self._kill(child, signal.SIGTERM)
+            try:
+                child.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.say("supervisor", f"{child.component.name} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it")
+                self._kill(child, signal.SIGKILL)
+                child.proc.wait()
+        else:
+            self._kill(child, signal.SIGKILL)  # anything left in its process group
+        if child.reader is not None:
+            child.reader.join(5)
+        child.last_exit = child.proc.returncode
+        child.proc = None
+        child.state = "stopped"
+
+    # -- status ------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        now = time.monotonic()
+        return {
+            "supervisor_pid": os.getpid(),
+            "updated_at": time.time(),
+            "policy_version": self.policy_version,
+            "components": [{
+                "component": ch.component.name,
+                "command": "tabloop " + " ".join(ch.component.command),
+                "state": ch.state,
+                "pid": ch.pid,
+                "healthy": ch.healthy,
+                "restarts": ch.restarts,
+                "last_exit": ch.last_exit,
+                "uptime_s": round(now - ch.started_at, 1) if ch.pid else None,
+                "group": ch.component.group_for(self.settings),
+                "log": str((self.log_dir / f"{ch.component.name}.log").resolve()),
+            } for ch in self.children],
+        }
+
+    def _write_status(self) -> None:
+        _write_json(self.run_dir / STATUS_FILE, self.snapshot())
+
+
+# -- what `tabloop up|down|status` do around it ---------------------------------------------------
+
+
+class UpError(RuntimeError):
+    pass
+
+
+def spawn_detached(settings: Settings) -> subprocess.Popen:
+    """Start `tabloop supervise` in its own session, its output in logs/supervisor.log."""
+    log_dir(settings).mkdir(parents=True, exist_ok=True)
+    run_dir(settings).mkdir(parents=True, exist_ok=True)
+    (run_dir(settings) / STATUS_FILE).unlink(missing_ok=True)
+    env = {**os.environ, **to_environ(settings), "PYTHONUNBUFFERED": "1"}
+    with open(log_dir(settings) / "supervisor.log", "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "infra.cli", "supervise"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_all_healthy(settings: Settings, proc: subprocess.Popen, timeout_s: float,
+                     max_restarts: int = 3) -> dict:
+    """Poll status.json until every installed component is healthy; UpError when the supervisor dies,
+    a component keeps crashing before it ever got healthy, or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    status = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UpError(f"the supervisor exited with code {proc.returncode}:\n"
+                          f"{tail(log_dir(settings) / 'supervisor.log')}")
+        status = read_status(settings)
+        if status:
+            rows = [r for r in status["components"] if r["state"] != "not installed"]
+            if rows and all(r["healthy"] for r in rows):
+                return status
+            for r in rows:
+                if r["restarts"] >= max_restarts and not r["healthy"]:
+                    raise UpError(f"{r['component']} crashed {r['restarts']} times before becoming healthy "
+                                  f"(last exit {r['last_exit']}); the end of {r['log']}:\n{tail(Path(r['log']))}")
+        time.sleep(0.5)
+    waiting = [r["component"] for r in (status or {}).get("components", [])
+               if r["state"] not in ("not installed", "healthy")]
+    raise UpError(f"not healthy within {timeout_s:.0f}s: {', '.join(waiting) or 'the supervisor'}; "
+                  f"see {log_dir(settings)}")
+
+
+def stop_supervisor(settings: Settings, timeout_s: float = 60.0) -> list[str]:
+    """Stop the supervisor (it stops its children) and anything it left behind. Lines saying what stopped."""
+    said = []
+    pid = supervisor_pid(settings)
+    status = read_status(settings) or {}
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            said.append(f"supervisor (pid {pid}) did not stop in {timeout_s:.0f}s: killed")
+        else:
+            said.append(f"supervisor (pid {pid}) stopped")
+    # Children of a supervisor that was SIGKILLed get SIGTERM from the kernel; make sure.
+    for row in status.get("components", []):
+        child = row.get("pid")
+        if child and _is_tabloop(child):
+            try:
+                os.killpg(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            said.append(f"{row['component']} (pid {child}) was left running: killed")
+    (run_dir(settings) / PID_FILE).unlink(missing_ok=True)
+    return said
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return f"({path} does not exist)"
+
+
+def live_status(settings: Settings) -> dict:
+    """What `tabloop status` shows: Kafka, then each component with its policy version and lag."""
+    from infra.bus import broker_answers
+    from infra.kafka_broker import KafkaLaunchError, LocalKafka
+
+    answering = broker_answers(settings)
+    try:
+        broker_pid = LocalKafka(settings).status().pid
+    except KafkaLaunchError:  # not a local bootstrap: someone else's brokers
+        broker_pid = None
+    rows = [{"component": "kafka", "state": "healthy" if answering else "down", "pid": broker_pid,
+             "healthy": answering, "restarts": None, "policy_version": None, "lag": None,
+             "bootstrap": settings.kafka_bootstrap}]
+    pid = supervisor_pid(settings)
+    status = read_status(settings) if pid else None
+    probes = Probes(settings)
+    for row in (status or {}).get("components", []):
+        row = dict(row)
+        row["policy_version"] = None
+        if row["component"] == "serve" and row["pid"]:
+            body = probes.front_door()
+            row["policy_version"] = body.get("policy_version") if body else None
+        row["lag"] = probes.lag(row["group"]) if row.get("group") and answering and row["pid"] else None
+        rows.append(row)
+    healthy = answering and status is not None and all(
+        r["healthy"] for r in rows if r["state"] != "not installed")
+    return {"supervisor_pid": pid, "running": pid is not None, "healthy": healthy,
+            "updated_at": (status or {}).get("updated_at"), "components": rows}
+
+
+def format_table(status: dict) -> str:
+    header = ("COMPONENT", "PID", "HEALTHY", "STATE", "RESTARTS", "POLICY", "LAG")
+    rows = [header]
+    for r in status["components"]:
+        def show(v):
+            return "-" if v is None else str(v)
+
+        rows.append((r["component"], show(r["pid"]),
+                     "-" if r["state"] == "not installed" else ("yes" if r["healthy"] else "no"), r["state"],
+                     show(r.get("restarts")), show(r.get("policy_version")), show(r.get("lag"))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    if not status["running"]:
+        lines.append("the supervisor is not running (`tabloop up` starts it)")
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""infra/compose: valid against the Compose Specification's JSON schema, and everything it names exists here."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from tests.deploy_checks import check_settings_env, check_tabloop_command, interpolate, variables
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_DIR = ROOT / "infra" / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+SCHEMA = json.loads((Path(__file__).parent / "schemas" / "compose-spec.json").read_text())
+PROJECT_IMAGE = "tabloop:latest"
+# Third-party images, each pinned to a release: what each one is for.
+THIRD_PARTY = {
+    "apache/kafka": "Apache Kafka (KRaft)",
+    "clickhouse/clickhouse-server": "the history's ClickHouse server",
+    "vllm/vllm-openai": "vLLM's OpenAI server on a GPU",
+    "confluentinc/cp-schema-registry": "a Confluent-compatible schema registry",
+}
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+ENVIRONMENTS = {"default": {}, **{p.stem: read_env_file(p) for p in sorted(COMPOSE_DIR.glob("*.env"))}}
+
+
+def load(env: dict[str, str]) -> dict:
+    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), env)
+
+
+def active_services(doc: dict, env: dict[str, str]) -> dict[str, dict]:
+    profiles = {p for p in env.get("COMPOSE_PROFILES", "").split(",") if p}
+    return {n: s for n, s in doc["services"].items() if not s.get("profiles") or profiles & set(s["profiles"])}
+
+
+def service_env(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def test_the_vendored_schema_is_the_compose_specification():
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    assert SCHEMA["title"] == "Compose Specification" and "services" in SCHEMA["properties"]
+
+
+@pytest.mark.parametrize("env_name", sorted(ENVIRONMENTS))
+def test_valid_against_the_compose_schema(env_name):
+    doc = load(ENVIRONMENTS[env_name])
+    errors = sorted(jsonschema.Draft202012Validator(SCHEMA).iter_errors(doc), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+def test_the_schema_check_catches_a_broken_file():
+    doc = load({})
+    doc["services"]["serve"]["ports"] = "8081"  # not a list
+    doc["services"]["serve"]["restart_policy"] = "always"  # not a compose key
+    assert len(list(jsonschema.Draft202012Validator(SCHEMA).iter_errors(doc))) >= 2
+
+
+@pytest.mark.parametrize("env_name", sorted(ENVIRONMENTS))
+def test_every_image_command_and_variable_exists(env_name):
+    env = ENVIRONMENTS[env_name]
+    doc = load(env)
+    services = active_services(doc, env)
+    tabloop_services = 0
+    for name, svc in services.items():
+        for dep in svc.get("depends_on") or {}:
+            assert dep in services, f"{name} depends on {dep}, which is not running in the {env_name} setup"
+        image = svc["image"]
+        if image == PROJECT_IMAGE:
+            tabloop_services += 1
+            assert (COMPOSE_DIR / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == \
+                ROOT / "Dockerfile"
+            check_tabloop_command(svc["command"])
+            settings = check_settings_env(service_env(svc))
+            assert settings.kafka_bootstrap.split(",")[0].split(":")[0] in services
+        else:
+            repo, _, tag = image.rpartition(":")
+            assert repo in THIRD_PARTY, f"{name}: image {image} is neither tabloop's nor a known one"
+            assert tag and tag != "latest" and re.match(r"v?\d", tag), f"{name}: pin {image} to a release"
+            for key in service_env(svc):
+                assert not key.startswith("TABLOOP_"), f"{name} ({repo}) does not read {key}"
+    assert tabloop_services >= 5  # topics, serve, streams, trainer, history
+
+
+def test_every_tabloop_variable_named_anywhere_is_a_setting():
+    from infra.settings import Settings
+
+    text = COMPOSE_FILE.read_text() + "".join(p.read_text() for p in COMPOSE_DIR.glob("*.env"))
+    named = {v for v in variables(text) | set(re.findall(r"^\s*(TABLOOP_[A-Z_]+)[:=]", text, re.M))
+             if v.startswith("TABLOOP_")}
+    assert named and {v[len("TABLOOP_"):].lower() for v in named} <= set(Settings.model_fields), named
+
+
+def test_the_team_setup():
+    doc = load({})
+    services = doc["services"]
+    # Kafka: one KRaft broker by default, three with the kafka-cluster profile, all voters in cluster.env.
+    kafkas = {n: s for n, s in services.items() if s["image"].startswith("apache/kafka:")}
+    assert [n for n, s in kafkas.items() if not s.get("profiles")] == ["kafka-1"]
+    assert sorted(n for n, s in kafkas.items() if s.get("profiles") == ["kafka-cluster"]) == ["kafka-2", "kafka-3"]
+    assert service_env(kafkas["kafka-1"])["KAFKA_PROCESS_ROLES"] == "broker,controller"
+    cluster = load(ENVIRONMENTS["cluster"])["services"]
+    voters = service_env(cluster["kafka-1"])["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(",")
+    assert sorted(v.split("@")[1].split(":")[0] for v in voters) == sorted(kafkas)
+    assert {service_env(cluster[n])["KAFKA_NODE_ID"] for n in kafkas} == {v.split("@")[0] for v in voters}
+    assert check_settings_env(service_env(cluster["serve"])).topic_replication == 3
+
+    # vLLM replicas: each on its own GPU, LoRA hot-loading on, and every one of them in the front door's list.
+    vllms = {n: s for n, s in services.items() if s["image"].startswith("vllm/")}
+    assert len(vllms) >= 2
+    gpus = set()
+    for name, svc in vllms.items():
+        assert service_env(svc)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and "--enable-lora" in svc["command"]
+        [device] = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"]
+        gpus.update(device["device_ids"])
+    serve = check_settings_env(service_env(services["serve"]))
+    assert serve.engine == "vllm" and serve.serve_host == "0.0.0.0"
+    assert sorted(serve.vllm_urls.split(",")) == sorted(f"http://{n}:8000" for n in vllms)
+    assert {int(s.rsplit(":", 1)[0]) for s in services["serve"]["ports"]} == {8081, 8082}
+
+    # The trainer on a GPU of its own; the history sink on the ClickHouse server; the registry is a profile.
+    [trainer_gpu] = services["trainer"]["deploy"]["resources"]["reservations"]["devices"]
+    assert not gpus & set(trainer_gpu["device_ids"]) and len(gpus) == len(vllms)
+    assert check_settings_env(service_env(services["history"])).clickhouse_url == "http://clickhouse:8123"
+    assert "clickhouse" in services["history"]["depends_on"]
+    assert services["schema-registry"]["profiles"] == ["registry"]
+    registry = load(ENVIRONMENTS["registry"])["services"]
+    assert check_settings_env(service_env(registry["serve"])).schema_registry_url == "http://schema-registry:8081"
+    assert services["streams"]["deploy"]["replicas"] >= 2
+
+
+def test_the_dockerfile_builds_the_tabloop_command():
+    import tomllib
+
+    text = (ROOT / "Dockerfile").read_text()
+    for src in re.findall(r"^COPY (\S+) ", text, re.M):
+        assert (ROOT / src).exists(), f"the Dockerfile copies {src}, which is not in the repository"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = set(pyproject["tool"]["setuptools"]["packages"]["find"]["include"])
+    copied = {src for src in re.findall(r"^COPY (\S+) ", text, re.M)}
+    assert {p.rstrip("*") for p in packages} <= copied
+    assert 'ENTRYPOINT ["tabloop"]' in text and "tabloop" in pyproject["project"]["scripts"]
+    for ignored in (ROOT / ".dockerignore").read_text().split():
+        assert ignored not in copied

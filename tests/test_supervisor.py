@@ -1,0 +1,233 @@
+"""`tabloop up|status|down` as a user runs them: real processes, a real broker, the openai client.
+
+The long run (its own broker, every component, crashes and restarts) is a drill; the component table,
+the back-off and the status table are checked here by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from infra import supervisor as sv
+from infra.kafka_broker import free_port
+from schemas.topics import EPISODES
+from tests.conftest import TEST_PARTITIONS, make_settings
+from tests.serving_helpers import find_events
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_back_off_doubles_from_one_second_up_to_a_minute():
+    assert [sv.restart_delay(n) for n in range(0, 9)] == [0, 1, 2, 4, 8, 16, 32, 60, 60]
+    assert sv.restart_delay(3, base_s=0.5, max_s=1.5) == 1.5 and sv.restart_delay(2, base_s=0.5) == 1.0
+
+
+def test_the_table_runs_registered_commands_and_skips_the_rest(tmp_path):
+    from infra.cli import main
+
+    assert {c.command[0] for c in sv.COMPONENTS} >= {"serve", "streams"}
+    assert all(c.command[0] in main.commands for c in sv.COMPONENTS if c.name in ("serve", "streams"))
+    ghost = sv.Component("ghost", ("no-such-command",), health="alive")
+    sup = sv.Supervisor(make_settings(tmp_path), (sv.COMPONENTS[0], ghost))
+    states = {c.component.name: c.state for c in sup.children}
+    assert states == {"serve": "starting", "ghost": "not installed"}
+    assert sup.all_healthy() is False  # serve has not started; the ghost does not count
+
+
+def test_status_table_and_json_when_nothing_runs(tmp_path):
+    settings = make_settings(tmp_path, kafka_bootstrap=f"127.0.0.1:{free_port()}")
+    st = sv.live_status(settings)
+    assert st["running"] is False and st["healthy"] is False
+    assert [r["component"] for r in st["components"]] == ["kafka"] and st["components"][0]["healthy"] is False
+    table = sv.format_table(st)
+    assert table.splitlines()[0].split() == ["COMPONENT", "PID", "HEALTHY", "STATE", "RESTARTS", "POLICY", "LAG"]
+    assert "the supervisor is not running" in table
+    proc = _cli(settings, "status", "--json")
+    assert proc.returncode == 1 and json.loads(proc.stdout)["running"] is False
+
+
+@pytest.mark.kafka
+def test_children_are_logged_prefixed_restarted_with_back_off_and_stopped(kafka, tmp_path):
+    """The real supervisor on real `tabloop` children: one that never stays up (`kafka status` exits at once),
+    one that runs until killed (`events dump --follow`), SIGKILLed mid-run."""
+    import io
+    import threading
+
+    from infra.bus import ensure_topics
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    ensure_topics(settings)
+    table = (sv.Component("quitter", ("kafka", "status"), health="alive", grace_s=30),
+             sv.Component("follower", ("events", "dump", "tabloop.weights", "--follow"), health="alive",
+                          grace_s=1))
+    out = io.StringIO()
+    sup = sv.Supervisor(settings, table, out=out)
+    thread = threading.Thread(target=sup.run)
+    thread.start()
+    try:
+        quitter, follower = sup.children
+        _wait(lambda: quitter.restarts >= 3, 30, "three restarts of the quitter")
+        _wait(lambda: follower.healthy and follower.pid, 30, "the follower to be healthy")
+        status = sv.read_status(settings)
+        assert [r["component"] for r in status["components"]] == ["quitter", "follower"]
+        assert status["supervisor_pid"] == os.getpid() and sv.supervisor_pid(settings) is None  # not a CLI
+        old = follower.pid
+        os.kill(old, signal.SIGKILL)
+        _wait(lambda: follower.pid not in (None, old) and follower.restarts == 1, 30, "the follower restarted")
+        _wait(lambda: follower.healthy and follower.pid, 30, "the restarted follower to be healthy")
+        assert follower.last_exit == -signal.SIGKILL and quitter.healthy is False
+        pids = [follower.pid]
+    finally:
+        sup.stop()
+        thread.join(60)
+    assert not thread.is_alive() and all(not sv._alive(p) for p in pids)
+    assert {c.state for c in sup.children} == {"stopped"}
+    log = out.getvalue()
+    # Exits in a row wait 1 s, 2 s, 4 s …: the quitter never ran long enough to start over.
+    delays = [int(d) for d in re.findall(r"quitter exited \(code \d+\) after [\d.]+s; restarting in (\d+)s", log)]
+    assert delays[:3] == [1, 2, 4], log
+    assert re.search(r"follower exited \(signal 9\) after [\d.]+s; restarting in 1s \(restart #1\)", log)
+    assert re.search(r"^quitter   \| Kafka ", log, re.M)  # its output, prefixed with its name
+    assert "Kafka " in (tmp_path / "logs" / "quitter.log").read_text()
+
+
+# -- the whole system, as `make up` runs it -------------------------------------------------------
+
+
+def _env(settings) -> dict:
+    from infra.settings import to_environ
+
+    return {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "PYTHONPATH": str(ROOT),
+            **to_environ(settings)}
+
+
+def _cli(settings, *args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "infra.cli", *args], env=_env(settings), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _status(settings) -> dict:
+    return json.loads(_cli(settings, "status", "--json").stdout)
+
+
+def _row(status: dict, name: str) -> dict:
+    return next(r for r in status["components"] if r["component"] == name)
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _processes_of(state_dir: Path) -> list[int]:
+    """Every process whose environment or command line names this state dir."""
+    found = []
+    needle = str(state_dir).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes() or needle in (entry / "cmdline").read_bytes():
+                if (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.drill
+def test_up_serves_learns_restarts_and_down_leaves_nothing(tmp_path):
+    state = tmp_path / "state"
+    settings = make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}", completions_port=free_port(),
+                             feedback_port=free_port(), topic_partitions=TEST_PARTITIONS)
+    try:
+        up = _cli(settings, "up", timeout=600)
+        assert up.returncode == 0, up.stdout + up.stderr
+        key = re.search(r"apiKey: (tlk_\S+)", up.stdout).group(1)
+        assert f"apiBase: http://127.0.0.1:{settings.completions_port}/v1" in up.stdout
+        assert f"completionTrackingUrl: http://127.0.0.1:{settings.feedback_port}/api/training/submit" in up.stdout
+        assert f"destination: http://127.0.0.1:{settings.feedback_port}/api/continue/events" in up.stdout
+
+        status = _status(settings)
+        assert status["healthy"] and status["running"]
+        for name in ("kafka", "serve", "streams"):
+            assert _row(status, name)["healthy"] and _row(status, name)["pid"], status
+        assert _row(status, "serve")["policy_version"] == 0
+        table = _cli(settings, "status")
+        assert table.returncode == 0 and re.search(r"^serve\s+\d+\s+yes\s+healthy", table.stdout, re.M)
+
+        # A streamed completion with the printed key, then feedback on it becomes an episode.
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{settings.completions_port}/v1", api_key=key,
+                               max_retries=0)
+        chunks = list(client.completions.create(model="tabloop", prompt="def add(a, b):\n", max_tokens=6,
+                                                stream=True))
+        assert len(chunks) >= 2 and len({c.id for c in chunks}) == 1
+        completion_id = chunks[0].id
+        fb = httpx.post(f"http://127.0.0.1:{settings.feedback_port}/v1/feedback",
+                        headers={"Authorization": f"Bearer {key}"},
+                        json={"completion_id": completion_id, "accepted": True})
+        assert fb.status_code == 202, fb.text
+        [episode] = find_events(settings, EPISODES.name, lambda e: e.record["completion_id"] == completion_id,
+                                timeout_s=90)
+        assert episode.record["outcome"] == "ACCEPTED" and episode.record["matched"] is True
+        _wait(lambda: _row(_status(settings), "streams")["lag"] == 0, 60, "the streams worker's lag to be 0")
+
+        # SIGKILL the streams worker, then the front door twice: each comes back, with a growing back-off.
+        old = _row(status, "streams")["pid"]
+        os.kill(old, signal.SIGKILL)
+        row = _wait(lambda: (r := _row(_status(settings), "streams"))["healthy"] and r["pid"] != old and r,
+                    120, "streams to be restarted and healthy")
+        assert row["restarts"] == 1 and row["last_exit"] == -signal.SIGKILL
+        for expected_delay in (1, 2):
+            old = _row(_status(settings), "serve")["pid"]
+            os.kill(old, signal.SIGKILL)
+            row = _wait(lambda: (r := _row(_status(settings), "serve"))["healthy"] and r["pid"] != old and r,
+                        120, "serve to be restarted and healthy")
+        assert row["restarts"] == 2
+        log = (state / "logs" / "supervisor.log").read_text()
+        assert re.search(r"serve exited \(signal 9\) after [\d.]+s; restarting in 1s \(restart #1\)", log)
+        assert re.search(r"serve exited \(signal 9\) after [\d.]+s; restarting in 2s \(restart #2\)", log)
+        assert re.search(r"^streams\s+\| ", log, re.M) and re.search(r"^serve\s+\| ", log, re.M)  # prefixed
+        assert (state / "logs" / "serve.log").stat().st_size > 0
+        # The restarted front door serves with the same key.
+        again = client.completions.create(model="tabloop", prompt="x = ", max_tokens=3)
+        assert again.id.startswith("cmpl-") and again.id != completion_id
+
+        pids = [_row(_status(settings), n)["pid"] for n in ("kafka", "serve", "streams")]
+        assert all(pids) and _processes_of(state)
+    finally:
+        down = _cli(settings, "down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "stopped" in down.stdout and "Kafka stopped" in down.stdout
+    assert _processes_of(state) == []
+    assert _cli(settings, "status").returncode == 1
+
+
+def test_up_refuses_ports_in_use_before_starting_anything(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = make_settings(tmp_path / "state", kafka_bootstrap=f"127.0.0.1:{free_port()}",
+                                 completions_port=port, feedback_port=free_port())
+        up = _cli(settings, "up")
+    assert up.returncode == 1 and f"port(s) {port} on 127.0.0.1 are in use" in up.stderr
+    assert not (tmp_path / "state" / "kafka").exists() and not (tmp_path / "state" / "run").exists()
