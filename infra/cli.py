@@ -407,5 +407,12 @@ def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens:
     run(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
 
 
+from trainer.cli import bench_trainer, train, weights  # noqa: E402
+
+main.add_command(train)
+main.add_command(weights)
+bench.add_command(bench_trainer)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -80,6 +80,31 @@ class Settings(BaseModel):
     tests_memory_mb: int = Field(512, ge=16, description="tests scorer: address-space limit per run")
     scoring_concurrency: int = Field(8, ge=1, description="episodes being scored (judge, tests) at once per worker")
 
+    # -- the trainer (trainer/) --
+    weight_store: str = Field("", description="directory or fsspec URI of weight versions (default <state_dir>/weights)")
+    trainer_group: str = Field("tabloop-trainer", description="consumer group of the trainer on tabloop.episodes")
+    trainer_device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    trainer_batch_size: int = Field(16, ge=1, le=65536, description="episodes per policy update")
+    trainer_batch_wait_s: float = Field(30.0, gt=0, description="update with fewer episodes once the oldest waited this long")
+    trainer_micro_batch: int = Field(8, ge=1, le=4096, description="episodes per forward/backward (gradient accumulation)")
+    trainer_epochs: int = Field(1, ge=1, le=16, description="PPO passes (optimizer steps) over each batch")
+    trainer_lr: float = Field(1e-5, gt=0, le=1, description="AdamW learning rate (after warm-up)")
+    trainer_warmup_updates: int = Field(10, ge=0, description="linear learning-rate warm-up, in updates")
+    trainer_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip")
+    trainer_kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference (base) policy; 0 = off")
+    trainer_entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight; 0 = off")
+    trainer_max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
+    trainer_max_staleness: int = Field(4, ge=0, description="drop episodes from policies this many versions older")
+    trainer_baseline_decay: float = Field(0.99, ge=0, lt=1, description="per-episode decay of the per-project reward mean")
+    trainer_save_every: int = Field(10, ge=1, description="updates per weight version")
+    trainer_lora_rank: int = Field(16, ge=1, le=1024, description="LoRA rank (alpha = 2 x rank)")
+    trainer_full_finetune: bool = Field(False, description="train every weight instead of LoRA adapters")
+    trainer_seed: int = Field(0, description="seed of the trainer's random state")
+    auto_promote: bool = Field(True, description="new versions are PROMOTED at once (unless in canary mode)")
+    canary_share: float = Field(0.0, ge=0, lt=1, description="share of requests a new version serves first; 0 = no canary")
+    canary_min_episodes: int = Field(50, ge=1, description="episodes of each version before a canary is decided")
+    canary_margin: float = Field(0.05, ge=0, le=1, description="promote unless the canary's accept rate is this much lower")
+
     @field_validator("kafka_bootstrap")
     @classmethod
     def _bootstrap(cls, v: str) -> str:
@@ -134,6 +159,15 @@ class Settings(BaseModel):
     @property
     def spool_dir(self) -> Path:
         return self.state_dir / "spool"
+
+    @property
+    def effective_weight_store(self) -> str:
+        return self.weight_store or str((self.state_dir / "weights").resolve())
+
+    @property
+    def trainer_dir(self) -> Path:
+        """The trainer's logs: trainer.log, metrics.jsonl, tensorboard/."""
+        return self.state_dir / "trainer"
 
     @property
     def keys_file(self) -> Path:

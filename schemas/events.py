@@ -85,7 +85,9 @@ EVENT_TYPES: dict[str, EventType] = {
         EventType("CompletionServed", "served_at", lambda r: r["completion_id"]),
         EventType("FeedbackReceived", "received_at", _feedback_key),
         EventType("Episode", "joined_at", lambda r: r["completion_id"]),
-        EventType("WeightVersion", "created_at", lambda r: r["base_model"]),
+        # One key per (base model, version): compaction keeps the latest status of every version,
+        # so the topic still holds the whole history a replica (or `tabloop weights list`) folds.
+        EventType("WeightVersion", "created_at", lambda r: f"{r['base_model']}@v{r['version']}"),
         EventType(
             "DeadLetter",
             "at",

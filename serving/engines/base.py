@@ -49,6 +49,22 @@ class Engine(ABC):
         """Load weight version ``version`` (kind LORA or FULL at ``uri``; version 0 = base) and swap it in
         between requests; returns once requests that start afterwards use it."""
 
+    # -- canaries: a second version serving a share of requests (engines that can hold two) --
+
+    candidate_version: int | None = None
+
+    async def load_candidate(self, version: int, uri: str, kind: str, share: float) -> None:
+        """Serve ``share`` of new requests from ``version`` next to the promoted one."""
+        raise NotImplementedError(f"the {self.name} engine does not serve canaries")
+
+    async def promote_candidate(self) -> None:
+        """The candidate becomes the promoted version (no reload) and serves every request."""
+        raise NotImplementedError(f"the {self.name} engine does not serve canaries")
+
+    async def drop_candidate(self) -> None:
+        """Stop serving the candidate."""
+        raise NotImplementedError(f"the {self.name} engine does not serve canaries")
+
     def ready(self) -> bool:
         return True
 

@@ -7,6 +7,10 @@ left-padded batch with a KV cache; a new batch starts when the last one ends
 loaded into a second model copy off the generation thread and swapped in
 between batches, so a request runs start to end on one version and its tokens
 are stamped with it.
+
+Canary: a candidate version can be held next to the promoted one; each request
+goes to it with probability ``share`` (decided when its batch forms), and a
+batch with both kinds runs as two sub-batches, one per model.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import copy
 import functools
 import logging
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,7 +81,9 @@ class TransformersEngine(Engine):
         self._base_model, self._tokenizer = load_model(model_spec, device=device)
         self._model = self._base_model
         self.policy_version = policy_version
-        self._staged: tuple[torch.nn.Module, int, threading.Event] | None = None
+        self._staged: list[tuple[object, threading.Event]] = []  # changes the generation thread applies
+        self._candidate: tuple[torch.nn.Module, int, float] | None = None  # (model, version, share)
+        self._route = random.Random()
         self._lock = threading.Lock()
         eos = {self._tokenizer.eos_token_id}
         eos.discard(None)
@@ -111,11 +118,27 @@ class TransformersEngine(Engine):
 
     async def load_version(self, version: int, uri: str, kind: str) -> None:
         model = await asyncio.to_thread(self._build_version, version, uri, kind)
-        swapped = threading.Event()
+        await self._stage(("promoted", model, version))
+
+    async def load_candidate(self, version: int, uri: str, kind: str, share: float) -> None:
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"a canary's share of requests must be between 0 and 1, got {share}")
+        model = await asyncio.to_thread(self._build_version, version, uri, kind)
+        await self._stage(("candidate", model, version, share))
+
+    async def promote_candidate(self) -> None:
+        await self._stage(("promote-candidate",))
+
+    async def drop_candidate(self) -> None:
+        await self._stage(("drop-candidate",))
+
+    async def _stage(self, change: tuple) -> None:
+        """Hand a change to the generation thread; return once requests that start afterwards see it."""
+        applied = threading.Event()
         with self._lock:
-            self._staged = (model, version, swapped)
-        self._pending.put(_WAKE)  # an idle engine swaps at once
-        await asyncio.to_thread(swapped.wait)
+            self._staged.append((change, applied))
+        self._pending.put(_WAKE)  # an idle engine applies it at once
+        await asyncio.to_thread(applied.wait)
 
     def _build_version(self, version: int, uri: str, kind: str) -> torch.nn.Module:
         if version == 0 or not uri:
@@ -160,25 +183,49 @@ class TransformersEngine(Engine):
             batch = [s for s in batch if not s.cancelled]
             if not batch:
                 continue
-            try:
-                self._generate(batch)
-            except Exception as exc:  # a failed batch fails its requests, not the engine
-                log.exception("generation failed")
-                for slot in batch:
-                    slot.emit(RuntimeError(f"generation failed: {exc}"))
+            for model, version, group in self._split(batch):
+                try:
+                    self._generate(group, model, version)
+                except Exception as exc:  # a failed batch fails its requests, not the engine
+                    log.exception("generation failed")
+                    for slot in group:
+                        slot.emit(RuntimeError(f"generation failed: {exc}"))
+
+    def _split(self, batch: list[_Slot]) -> list[tuple[torch.nn.Module, int, list[_Slot]]]:
+        """(model, version, slots) groups: the canary's share of requests goes to the candidate."""
+        if self._candidate is None:
+            return [(self._model, self.policy_version, batch)]
+        cand_model, cand_version, share = self._candidate
+        to_candidate = [self._route.random() < share for _ in batch]
+        groups = [(self._model, self.policy_version, [s for s, c in zip(batch, to_candidate) if not c]),
+                  (cand_model, cand_version, [s for s, c in zip(batch, to_candidate) if c])]
+        return [g for g in groups if g[2]]
 
     def _apply_staged(self) -> None:
         with self._lock:
-            staged, self._staged = self._staged, None
-        if staged is not None:
-            model, version, swapped = staged
-            self._model, self.policy_version = model, version
-            log.info("now serving policy version %d", version)
-            swapped.set()
+            staged, self._staged = self._staged, []
+        for change, applied in staged:
+            kind = change[0]
+            if kind == "promoted":
+                self._model, self.policy_version = change[1], change[2]
+                if self._candidate is not None and self._candidate[1] == change[2]:
+                    self._candidate = None
+                log.info("now serving policy version %d", self.policy_version)
+            elif kind == "candidate":
+                self._candidate = (change[1], change[2], change[3])
+                log.info("canary: version %d serves %.0f%% of requests", change[2], 100 * change[3])
+            elif kind == "promote-candidate" and self._candidate is not None:
+                self._model, self.policy_version = self._candidate[0], self._candidate[1]
+                self._candidate = None
+                log.info("canary promoted: now serving policy version %d", self.policy_version)
+            elif kind == "drop-candidate":
+                self._candidate = None
+                log.info("canary dropped: serving policy version %d only", self.policy_version)
+            self.candidate_version = self._candidate[1] if self._candidate is not None else None
+            applied.set()
 
     @torch.inference_mode()
-    def _generate(self, batch: list[_Slot]) -> None:
-        model, version = self._model, self.policy_version
+    def _generate(self, batch: list[_Slot], model: torch.nn.Module, version: int) -> None:
         device = next(model.parameters()).device
         longest = max(len(s.request.prompt_ids) for s in batch)
         ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)

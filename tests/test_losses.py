@@ -1,0 +1,123 @@
+"""The loss math against numbers worked by hand (the working is in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.canary import CanaryTally, canary_decision
+from trainer.losses import (BaselineState, baseline_advantages, completion_mask, entropy_from_logits, grpo_advantages,
+                            kl_k3, masked_mean, ppo_clipped_loss, rloo_advantages, token_logprobs)
+
+
+def test_ppo_ratio_and_clipping_positive_advantage():
+    # Token 1: ratio 1.5 → clipped to 1.2; min(1.5, 1.2)·1 = 1.2 (the clip binds: no gradient).
+    # Token 2: ratio 0.5 → clip 0.8; min(0.5, 0.8) = 0.5 (unclipped: gradient flows).
+    # Loss = −(1.2 + 0.5) / 2 = −0.85; one token of two clipped.
+    logprobs = torch.tensor([[math.log(1.5), math.log(0.5)]], requires_grad=True)
+    behaviour = torch.zeros((1, 2))
+    out = ppo_clipped_loss(logprobs, behaviour, torch.tensor([1.0]), torch.ones((1, 2)), clip_eps=0.2)
+    assert out.loss.item() == pytest.approx(-0.85)
+    assert out.clip_fraction == pytest.approx(0.5)
+    assert out.ratio_mean == pytest.approx(1.0)
+    out.loss.backward()
+    # d/dlogp of −ratio/2 = −ratio/2: 0 where clipped, −0.25 at token 2.
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, -0.25])
+    # KL(behaviour‖current), k3 per token: e^{−ln1.5} + ln1.5 − 1 = 0.07213; e^{ln2} − ln2 − 1 = 0.30685.
+    assert out.approx_kl == pytest.approx((0.0721318 + 0.3068528) / 2, abs=1e-6)
+
+
+def test_ppo_negative_advantage_clips_the_other_side():
+    # A = −1. Token 1: min(−1.5, −1.2) = −1.5 (unclipped). Token 2: min(−0.5, −0.8) = −0.8 (clipped).
+    # Loss = (1.5 + 0.8) / 2 = 1.15.
+    logprobs = torch.tensor([[math.log(1.5), math.log(0.5)]], requires_grad=True)
+    out = ppo_clipped_loss(logprobs, torch.zeros((1, 2)), torch.tensor([-1.0]), torch.ones((1, 2)), clip_eps=0.2)
+    assert out.loss.item() == pytest.approx(1.15)
+    assert out.clip_fraction == pytest.approx(0.5)
+    out.loss.backward()
+    # d/dlogp of ratio/2 = 1.5/2 at token 1; 0 at the clipped token 2. Descending lowers the rejected token.
+    assert logprobs.grad[0].tolist() == pytest.approx([0.75, 0.0])
+
+
+def test_ppo_ignores_masked_tokens():
+    # The padding position has an absurd ratio (e^5) and must change nothing.
+    logprobs = torch.tensor([[0.0, 5.0], [0.1, 0.0]])
+    behaviour = torch.zeros((2, 2))
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    adv = torch.tensor([2.0, 1.0])
+    out = ppo_clipped_loss(logprobs, behaviour, adv, mask, clip_eps=0.2)
+    # Row 1 token 1: ratio 1 → −2. Row 2: ratio e^0.1 = 1.10517 (inside the clip) → −1.10517; ratio 1 → −1.
+    assert out.loss.item() == pytest.approx(-(2 + 1.1051709 + 1) / 3)
+    assert out.clip_fraction == 0.0
+
+
+def test_completion_mask_covers_completion_tokens_only():
+    assert completion_mask([2, 1], [2, 3], 5).tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]]
+    with pytest.raises(ValueError, match="exceed"):
+        completion_mask([3], [3], 5)
+    assert masked_mean(torch.tensor([[1.0, 100.0]]), torch.tensor([[1.0, 0.0]])).item() == 1.0
+    assert masked_mean(torch.tensor([[1.0]]), torch.tensor([[0.0]])).item() == 0.0  # empty mask: 0, not NaN
+
+
+def test_baseline_advantages_per_project_running_mean():
+    # New project: the baseline is the batch mean (0.75 − 0.25 + 0.75) / 3 = 0.41667.
+    adv, state = baseline_advantages([0.75, -0.25, 0.75], ["a", "a", "a"], BaselineState.empty(), decay=0.9)
+    assert adv == pytest.approx([1 / 3, -2 / 3, 1 / 3])
+    # The first episodes are a plain mean (weights 1, 1/2, 1/3).
+    assert state.means["a"] == pytest.approx(5 / 12) and state.counts["a"] == 3
+    # Next batch: the stored mean is the baseline; the update weight is max(1/4, 1 − 0.5) = 0.5.
+    adv, state = baseline_advantages([-0.25, 0.75], ["a", "b"], state, decay=0.5)
+    assert adv == pytest.approx([-0.25 - 5 / 12, 0.0])  # b is new: its own mean, advantage 0
+    assert state.means["a"] == pytest.approx(5 / 12 + 0.5 * (-0.25 - 5 / 12))
+    assert state.means["b"] == pytest.approx(0.75)
+    # A reject always sits below a project's usual reward here: its advantage is negative (pushed down).
+    with pytest.raises(ValueError, match="2 rewards but 1 projects"):
+        baseline_advantages([1.0, 0.0], ["a"], state)
+
+
+def test_grpo_advantages():
+    # Group x: mean 0.5, population std 0.5 → ±1. Group y: all equal → 0. Group z: one sample → 0.
+    adv = grpo_advantages([1, 0, 0, 1, 2, 2, 7], ["x", "x", "x", "x", "y", "y", "z"], eps=0.0 + 1e-12)
+    assert adv == pytest.approx([1, -1, -1, 1, 0, 0, 0])
+    # Without the std: just centred. Rewards 3, 1, 2 → mean 2 → 1, −1, 0.
+    assert grpo_advantages([3, 1, 2], [0, 0, 0], scale_by_std=False) == pytest.approx([1, -1, 0])
+
+
+def test_rloo_advantages():
+    # [1, 0, 0]: 1 − mean(0, 0) = 1; 0 − mean(1, 0) = −0.5 (twice). Equals k/(k−1)·(r − mean) = 1.5·(r − 1/3).
+    assert rloo_advantages([1, 0, 0], ["g", "g", "g"]) == pytest.approx([1, -0.5, -0.5])
+    assert rloo_advantages([4, 2, 5, 5], [1, 1, 2, 2]) == pytest.approx([2, -2, 0, 0])
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        rloo_advantages([1, 2, 3], ["a", "a", "b"])
+
+
+def test_kl_k3_and_entropy_and_token_logprobs():
+    # log p = ln 0.5, log q = ln 0.25: r = 2 → 2 − ln 2 − 1 = 0.30685.
+    kl = kl_k3(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)]))
+    assert kl.item() == pytest.approx(2 - math.log(2) - 1)
+    assert kl_k3(torch.tensor([-1.3]), torch.tensor([-1.3])).item() == 0.0
+    assert (kl_k3(torch.randn(100), torch.randn(100)) >= 0).all()  # never negative
+    uniform = torch.zeros((1, 1, 4))
+    assert entropy_from_logits(uniform).item() == pytest.approx(math.log(4))
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])  # probabilities 1/4, 3/4
+    assert token_logprobs(logits, torch.tensor([[1]])).item() == pytest.approx(math.log(0.75))
+
+
+def test_canary_rule():
+    # Not enough episodes of either version yet: no decision.
+    assert canary_decision(9, 9, 5, 10, min_episodes=10, margin=0.05) is None
+    # 0.50 vs 0.52: within the 0.05 margin → promoted. 0.40 vs 0.52 → rolled back.
+    assert canary_decision(10, 20, 13, 25, min_episodes=20, margin=0.05) == "PROMOTED"
+    assert canary_decision(8, 20, 13, 25, min_episodes=20, margin=0.05) == "ROLLED_BACK"
+    tally = CanaryTally(candidate=2, baseline=1, since_ms=1000)
+    tally.add(2, "ACCEPTED", 2000)
+    tally.add(2, "REJECTED", 2000)
+    tally.add(2, "ACCEPTED", 500)  # before the canary started: not counted
+    tally.add(3, "ACCEPTED", 2000)  # another version
+    tally.add(1, "IGNORED", 2000)  # undecided
+    tally.add(1, "ACCEPTED", 2000)
+    assert tally.summary() == {"canary_candidate_episodes": 2.0, "canary_candidate_accept_rate": 0.5,
+                               "canary_baseline_episodes": 1.0, "canary_baseline_accept_rate": 1.0}
+    assert tally.decide(min_episodes=1, margin=0.1) == "ROLLED_BACK"

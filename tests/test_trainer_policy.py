@@ -1,0 +1,158 @@
+"""The policy update on the tiny model: alignment of logprobs, direction of updates, learning, saving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer.losses import BaselineState, baseline_advantages
+from trainer.models import load_model
+from trainer.policy import PolicyTrainer, Sample, UpdateConfig, make_sample, sample_completions
+from trainer.weight_store import (Manifest, WeightStore, WeightStoreError, files_sha256, fold_statuses,
+                                  promoted_version, version_event)
+
+
+def _reference_logprobs(model, sample: Sample) -> list[float]:
+    """Logprobs of the completion from one unpadded forward pass over prompt + completion."""
+    ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    p = len(sample.prompt_ids)
+    return [float(logp[p - 1 + j, t]) for j, t in enumerate(sample.completion_ids)]
+
+
+def test_batched_logprobs_match_an_unpadded_forward(tiny_model):
+    """Left padding, position ids and logits_to_keep must not move a single logprob."""
+    model, tok = load_model(tiny_model)
+    trainer = PolicyTrainer(model, tok, UpdateConfig(), full=True)
+    samples = [make_sample(tok, "def add(a, b):\n    return", [10, 20, 30, 40], None, 0.0),
+               make_sample(tok, "x = 1\n", [7], None, 0.0),
+               make_sample(tok, "import os\nimport sys\n\nclass A:\n", [99, 3], None, 0.0)]
+    batched = trainer.sequence_logprobs(samples)
+    for sample, got in zip(samples, batched):
+        assert got == pytest.approx(_reference_logprobs(trainer.model, sample), abs=1e-4)
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "lora"])
+def test_accepts_go_up_and_rejects_go_down(tiny_model, full):
+    model, tok = load_model(tiny_model)
+    trainer = PolicyTrainer(model, tok, UpdateConfig(lr=1e-2, warmup_updates=0), full=full, lora_rank=4, seed=0)
+    good = make_sample(tok, "def f():\n    return", [11, 12], None, +0.5)
+    bad = make_sample(tok, "def g():\n    return", [13, 14], None, -0.5)
+    before = trainer.sequence_logprobs([good, bad])
+    for _ in range(3):
+        metrics = trainer.update([good, bad])
+    after = trainer.sequence_logprobs([good, bad])
+    assert sum(after[0]) > sum(before[0]) + 0.05, "the accepted completion did not become more likely"
+    assert sum(after[1]) < sum(before[1]) - 0.05, "the rejected completion did not become less likely"
+    assert metrics["grad_norm"] > 0 and metrics["lr"] == pytest.approx(1e-2)
+    assert {"policy_loss", "approx_kl", "clip_fraction", "entropy", "tokens_per_s", "update_seconds"} <= set(metrics)
+
+
+def test_prompt_tokens_get_no_gradient_signal(tiny_model):
+    """Changing only how a prompt token would be predicted changes nothing: the loss sees completion tokens only."""
+    model, tok = load_model(tiny_model)
+    trainer = PolicyTrainer(model, tok, UpdateConfig(lr=1e-2, warmup_updates=0), full=True, seed=0)
+    sample = Sample([5, 6, 7, 8], [9, 10], [-7.0, -7.5], 1.0)
+    logits, targets, mask = trainer._forward(trainer.model, [sample])
+    assert targets.tolist() == [[9, 10]] and mask.tolist() == [[1.0, 1.0]]
+    with pytest.raises(ValueError, match="behaviour logprobs"):
+        Sample([1], [2, 3], [-1.0], 1.0)
+    with pytest.raises(ValueError, match="prompt token"):
+        Sample([], [2], None, 1.0)
+
+
+def test_learning_on_a_synthetic_reward(tiny_model):
+    """Seeded: completions whose first token is in a chosen set are accepted (+0.75), the rest rejected (−0.25).
+
+    The set is the tokens nearest (by embedding) to the base model's likeliest first token, sized to hold 20%
+    of the base model's probability. Full fine-tuning: the tiny random model's logits are nearly flat
+    (entropy ≈ ln |V|), and LoRA on its projections cannot scale them up. Margin: the accept rate over the
+    last 5 updates beats the first 5 by at least 0.3.
+    """
+    torch.manual_seed(0)
+    model, tok = load_model(tiny_model)
+    prompts = [tok.encode(f"def f{i}(x):\n    return", add_special_tokens=False) for i in range(8)]
+    with torch.no_grad():
+        probs = sum(torch.softmax(model(input_ids=torch.tensor([p])).logits[0, -1], -1) for p in prompts) / 8
+    emb = model.get_input_embeddings().weight
+    likeliest = int(torch.argmax(probs))
+    order = torch.argsort(torch.nn.functional.cosine_similarity(emb, emb[likeliest][None], dim=-1), descending=True)
+    size = int((torch.cumsum(probs[order], 0) < 0.2).sum()) + 1
+    accepted_first_tokens = set(order[:size].tolist())
+
+    trainer = PolicyTrainer(model, tok, UpdateConfig(lr=1e-2, warmup_updates=1, micro_batch=16), full=True, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    state = BaselineState.empty()
+    accept_rates = []
+    for update in range(30):
+        batch_prompts = [prompts[(update * 16 + j) % 8] for j in range(16)]
+        completions = sample_completions(trainer.model, batch_prompts, max_new_tokens=3, generator=generator,
+                                         eos_id=tok.eos_token_id, pad_id=trainer.pad_id)
+        rewards = [0.75 if ids[0] in accepted_first_tokens else -0.25 for ids, _ in completions]
+        advantages, state = baseline_advantages(rewards, ["p"] * 16, state, decay=0.9)
+        trainer.update([Sample(p, ids, lps, a) for p, (ids, lps), a in zip(batch_prompts, completions, advantages)])
+        accept_rates.append(sum(r > 0 for r in rewards) / 16)
+    first, last = sum(accept_rates[:5]) / 5, sum(accept_rates[-5:]) / 5
+    assert last >= first + 0.3, f"accept rate {first:.2f} → {last:.2f}: {accept_rates}"
+
+
+# -- the weight store ------------------------------------------------------------------
+
+
+def _fields(**over):
+    base = dict(parent_version=0, kind="LORA", trainer_step=3, episodes_consumed=5, episodes_trained=4,
+                episodes_dropped={"stale": 1}, source_topic="t", source_offsets_start={"0": 0},
+                source_offsets={"0": 5}, episodes_consumed_total=5, metrics={"reward_mean": 0.1})
+    return {**base, **over}
+
+
+@pytest.mark.parametrize("root", ["dir", "memory"])
+def test_weight_store_round_trip(tmp_path, root):
+    uri = str(tmp_path / "weights") if root == "dir" else f"memory://tabloop-test-{tmp_path.name}"
+    store = WeightStore(uri, "/models/base")
+    assert store.versions() == [] and store.latest() is None and store.next_version() == 1
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "adapter_model.safetensors").write_bytes(b"weights-1")
+    (files / "adapter_config.json").write_text("{}")
+    m1 = store.save(1, files, _fields())
+    assert m1.sha256 == files_sha256(files, ["adapter_config.json", "adapter_model.safetensors"])[0]
+    assert m1.size_bytes == len(b"weights-1") + 2 and m1.files == ["adapter_config.json", "adapter_model.safetensors"]
+    assert store.versions() == [1] and store.next_version() == 2
+    with pytest.raises(WeightStoreError, match="already exists"):
+        store.save(1, files, _fields())
+    loaded = store.manifest(1)
+    assert loaded == m1 and Manifest.from_json(loaded.to_json()) == m1
+    local = store.materialize(1, tmp_path / "cache")
+    assert (local / "adapter_model.safetensors").read_bytes() == b"weights-1"
+    with pytest.raises(WeightStoreError, match="not in the weight store"):
+        store.manifest(7)
+    if root == "dir":
+        # A corrupted file is caught by its hash.
+        (local / "adapter_model.safetensors").write_bytes(b"weights-X")
+        with pytest.raises(WeightStoreError, match="does not match"):
+            store.materialize(1, tmp_path / "cache")
+        # A version directory without a manifest (a crash mid-save) is not a version, and its number is not reused.
+        (tmp_path / "weights" / store.dir.rsplit("/", 1)[-1] / "v000002").mkdir()
+        assert store.versions() == [1] and store.next_version() == 3
+
+
+def test_status_fold_and_promoted_version():
+    base = "/m"
+    m = Manifest(version=1, parent_version=0, base_model=base, kind="LORA", uri="file:///w/1", sha256="a" * 64,
+                 size_bytes=1, created_at_ms=0, **{k: v for k, v in _fields().items()
+                                                   if k not in ("parent_version", "kind")})
+    m2 = Manifest(**{**m.__dict__, "version": 2, "parent_version": 1})
+    records = [version_event(m, "PROMOTED").record, version_event(m2, "CANDIDATE", {"canary_share": 0.2}).record]
+    assert promoted_version(records, base) == 1
+    statuses = fold_statuses(records, base)
+    assert statuses[2].status == "CANDIDATE" and statuses[2].metrics["canary_share"] == 0.2
+    records.append(version_event(m, "ROLLED_BACK").record)
+    assert promoted_version(records, base) == 0
+    assert promoted_version(records, "/other") == 0 and fold_statuses(records, "/other") == {}
+    event = version_event(m, "PROMOTED")
+    assert event.key == "/m@v1"  # one compacted record per version keeps every version's latest status
+    assert json.loads(m.to_json())["source_offsets"] == {"0": 5}

@@ -1,0 +1,193 @@
+"""The trainer's commands: `tabloop train`, `tabloop weights list|promote|rollback`, `tabloop bench trainer`.
+
+Registered in infra/cli.py with one ``add_command`` line each.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import click
+
+
+def _settings(ctx: click.Context):
+    return ctx.find_root().obj
+
+
+def _error(message: str) -> click.ClickException:
+    return click.ClickException(message)
+
+
+@click.command()
+@click.option("--max-versions", type=click.IntRange(min=1), default=None,
+              help="Stop after publishing this many new versions (default: never stop).")
+@click.pass_context
+def train(ctx: click.Context, max_versions: int | None) -> None:
+    """Continuous PPO on tabloop.episodes; publishes weight versions to the weight store and tabloop.weights."""
+    import signal
+
+    from infra.bus import broker_answers
+    from trainer.models import ModelLoadError
+    from trainer.online import OnlineTrainer
+
+    settings = _settings(ctx)
+    if not broker_answers(settings):
+        raise _error(f"no Kafka answers on {settings.kafka_bootstrap}: run `tabloop kafka start` first")
+    try:
+        trainer = OnlineTrainer(settings)
+    except ModelLoadError as exc:
+        raise _error(str(exc)) from None
+    signal.signal(signal.SIGTERM, lambda *_: trainer.stop())
+    click.echo(f"tabloop train: {trainer.base_model} on {trainer.device}, from version {trainer.version}; "
+               f"weights in {settings.effective_weight_store}, logs in {settings.trainer_dir}")
+    try:
+        trainer.run(max_versions=max_versions)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        trainer.close()
+
+
+# -- weights ------------------------------------------------------------------------
+
+
+@click.group()
+def weights() -> None:
+    """Weight versions: list them, promote one, roll back. Serving follows the promoted version."""
+
+
+def _store_and_records(settings):
+    from trainer.models import resolve_model_spec
+    from trainer.weight_store import WeightStore, read_weight_records
+
+    base = resolve_model_spec(settings)
+    return base, WeightStore(settings.effective_weight_store, base), read_weight_records(settings)
+
+
+def _publish(settings, *events) -> None:
+    from infra.bus import EventProducer, ensure_topics
+
+    ensure_topics(settings)
+    with EventProducer(settings, client_id="tabloop-weights-cli") as producer:
+        for event in events:
+            producer.publish(event)
+
+
+@weights.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per version.")
+@click.pass_context
+def weights_list(ctx: click.Context, as_json: bool) -> None:
+    """Every version in the weight store with its status on tabloop.weights; * marks the one serving follows."""
+    from trainer.weight_store import fold_statuses, promoted_version
+
+    settings = _settings(ctx)
+    base, store, records = _store_and_records(settings)
+    statuses = fold_statuses(records, base)
+    serving = promoted_version(records, base)
+    rows = [{"version": 0, "status": "PROMOTED" if serving == 0 else "BASE", "kind": "-", "parent": None,
+             "episodes": 0, "created": "-", "uri": base, "serving": serving == 0}]
+    for m in store.manifests():
+        s = statuses.get(m.version)
+        rows.append({"version": m.version, "status": s.status if s else "UNPUBLISHED", "kind": m.kind,
+                     "parent": m.parent_version, "episodes": m.episodes_consumed,
+                     "created": datetime.fromtimestamp(m.created_at_ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                     "uri": m.uri, "serving": m.version == serving,
+                     "reward_mean": round(m.metrics.get("reward_mean", float("nan")), 4)})
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    click.echo(f"{'':1} {'version':>7} {'status':<12} {'kind':<5} {'parent':>6} {'episodes':>8}  {'created':<19}  uri")
+    for r in rows:
+        click.echo(f"{'*' if r['serving'] else ' '} {r['version']:>7} {r['status']:<12} {r['kind']:<5} "
+                   f"{'' if r['parent'] is None else r['parent']:>6} {r['episodes']:>8}  {r['created']:<19}  {r['uri']}")
+
+
+@weights.command("promote")
+@click.argument("version", type=click.IntRange(min=0))
+@click.pass_context
+def weights_promote(ctx: click.Context, version: int) -> None:
+    """Promote VERSION: every serving replica loads it (0 = the base model)."""
+    from trainer.weight_store import WeightStoreError, base_version_event, version_event
+
+    settings = _settings(ctx)
+    base, store, _ = _store_and_records(settings)
+    try:
+        event = base_version_event(base) if version == 0 else version_event(store.manifest(version), "PROMOTED")
+    except WeightStoreError as exc:
+        raise _error(str(exc)) from None
+    _publish(settings, event)
+    click.echo(f"version {version} of {base} promoted")
+
+
+def rollback_target(records: list[dict], base_model: str, current: int) -> int:
+    """Pure: the version a rollback of ``current`` returns to.
+
+    The most recent version promoted before ``current`` that has not been
+    rolled back since; 0 (the base model) if there is none.
+    """
+    rolled_back: set[int] = set()
+    history: list[int] = []
+    for r in records:
+        if r["base_model"] != base_model:
+            continue
+        if r["status"] == "PROMOTED":
+            history.append(r["version"])
+            rolled_back.discard(r["version"])
+        elif r["status"] == "ROLLED_BACK":
+            rolled_back.add(r["version"])
+    for v in reversed(history):
+        if v != current and v not in rolled_back:
+            return v
+    return 0
+
+
+@weights.command("rollback")
+@click.argument("version", type=click.IntRange(min=0), required=False)
+@click.pass_context
+def weights_rollback(ctx: click.Context, version: int | None) -> None:
+    """Roll back the promoted version; serving goes to VERSION (default: the one promoted before it, else 0)."""
+    from trainer.weight_store import WeightStoreError, base_version_event, promoted_version, version_event
+
+    settings = _settings(ctx)
+    base, store, records = _store_and_records(settings)
+    current = promoted_version(records, base)
+    if current == 0:
+        raise _error(f"nothing to roll back: {base} is serving the base model (version 0)")
+    target = rollback_target(records, base, current) if version is None else version
+    if target == current:
+        raise _error(f"version {current} is the one being rolled back; name another version to go back to")
+    try:
+        events = [version_event(store.manifest(current), "ROLLED_BACK"),
+                  base_version_event(base) if target == 0 else version_event(store.manifest(target), "PROMOTED")]
+    except WeightStoreError as exc:
+        raise _error(str(exc)) from None
+    _publish(settings, *events)
+    click.echo(f"version {current} rolled back; serving goes to version {target}")
+
+
+# -- bench ------------------------------------------------------------------------------
+
+
+@click.command("trainer")
+@click.option("--model-shape", type=click.Choice(["tiny", "qwen2.5-coder-1.5b"]), default="tiny", show_default=True,
+              help="tiny: the offline test model; qwen2.5-coder-1.5b: that architecture with random weights (GPU).")
+@click.option("--mode", type=click.Choice(["lora", "full", "both"]), default="both", show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=16, show_default=True, help="Episodes per update.")
+@click.option("--micro-batch", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--completion-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--updates", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--peak-tflops", type=float, default=None,
+              help="Accelerator peak (bf16 dense) for model FLOPs utilisation; default: known GPUs, else none.")
+@click.pass_context
+def bench_trainer(ctx: click.Context, model_shape: str, mode: str, batch: int, micro_batch: int, prompt_tokens: int,
+                  completion_tokens: int, updates: int, device: str, peak_tflops: float | None) -> None:
+    """Policy updates per second and tokens/s on synthetic episodes (no Kafka)."""
+    from trainer.bench import bench_trainer as run
+
+    run(_settings(ctx), model_shape=model_shape, modes=["lora", "full"] if mode == "both" else [mode], batch=batch,
+        micro_batch=micro_batch, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, updates=updates,
+        device=device, peak_tflops=peak_tflops)

@@ -1,0 +1,195 @@
+"""The training math, as pure functions: advantages, the PPO objective, KL and entropy.
+
+Everything here is a function of tensors (or lists of floats) in, numbers out:
+no model, no I/O, no hidden state. Each is small enough to check by hand, and
+``tests/test_losses.py`` does.
+
+Shapes: ``B`` sequences of at most ``T`` completion tokens, right-padded;
+``mask`` is 1.0 on real completion tokens and 0.0 on padding (and on prompt
+tokens, which never enter the loss).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Sequence
+
+import torch
+
+
+# -- advantages ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaselineState:
+    """Per-project running mean of the reward: ``means[p]`` after ``counts[p]`` episodes."""
+
+    means: Mapping[str, float]
+    counts: Mapping[str, int]
+
+    @classmethod
+    def empty(cls) -> "BaselineState":
+        return cls({}, {})
+
+
+def baseline_advantages(rewards: Sequence[float], projects: Sequence[str], state: BaselineState, *,
+                        decay: float = 0.99) -> tuple[list[float], BaselineState]:
+    """Advantage = reward − the project's running mean reward *before* this batch; then update the mean.
+
+    Why a baseline: with Cursor's rewards (+0.75 accepted, −0.25 rejected) or
+    the reference's 0/1, the sign of the raw reward says little; against the
+    project's usual reward, an accept is better than usual (pushed up) and a
+    reject worse (pushed down), so rejects get a gradient too.
+
+    A project seen for the first time has no mean yet: its baseline is the mean
+    of its rewards in this batch. The mean is an exponential moving average
+    over episodes (``decay`` per episode), so it follows a policy that improves,
+    but for the first ``1/(1-decay)`` episodes it is the plain average (the EMA
+    is bias-corrected by its count).
+    """
+    if len(rewards) != len(projects):
+        raise ValueError(f"{len(rewards)} rewards but {len(projects)} projects")
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {decay}")
+    means, counts = dict(state.means), dict(state.counts)
+    batch_sums: dict[str, list[float]] = {}
+    for r, p in zip(rewards, projects):
+        batch_sums.setdefault(p, []).append(r)
+    baseline = {p: means[p] if p in means else sum(rs) / len(rs) for p, rs in batch_sums.items()}
+    advantages = [r - baseline[p] for r, p in zip(rewards, projects)]
+    for r, p in zip(rewards, projects):
+        n = counts.get(p, 0) + 1
+        # Bias-corrected EMA: weight 1/n while n is small (the plain mean), at least 1-decay later.
+        weight = max(1.0 / n, 1.0 - decay)
+        means[p] = means.get(p, r) + weight * (r - means.get(p, r))
+        counts[p] = n
+    return advantages, BaselineState(means, counts)
+
+
+def grpo_advantages(rewards: Sequence[float], groups: Sequence[Hashable], *, eps: float = 1e-6,
+                    scale_by_std: bool = True) -> list[float]:
+    """GRPO: each sample's reward minus its group's mean, divided by the group's standard deviation.
+
+    A group is the k samples drawn for one prompt. The standard deviation is the
+    population one (divide by k), as in the DeepSeekMath paper; a group whose
+    rewards are all equal gets advantage 0 everywhere (no signal, no division
+    blow-up thanks to ``eps``). A group of one sample has advantage 0.
+    """
+    if len(rewards) != len(groups):
+        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    out = [0.0] * len(rewards)
+    for idx in members.values():
+        rs = [rewards[i] for i in idx]
+        mean = sum(rs) / len(rs)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
+        for i in idx:
+            centred = rewards[i] - mean
+            out[i] = centred / (std + eps) if scale_by_std else centred
+    return out
+
+
+def rloo_advantages(rewards: Sequence[float], groups: Sequence[Hashable]) -> list[float]:
+    """RLOO (REINFORCE leave-one-out): each reward minus the mean of the *other* samples of its group.
+
+    Equals k/(k−1) · (r_i − group mean). Unbiased, because a sample's baseline
+    does not depend on the sample itself. Needs k ≥ 2: a group of one has no
+    others to compare with and is an error rather than a silent zero.
+    """
+    if len(rewards) != len(groups):
+        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    out = [0.0] * len(rewards)
+    for g, idx in members.items():
+        if len(idx) < 2:
+            raise ValueError(f"RLOO needs at least 2 samples per group; group {g!r} has 1")
+        total = sum(rewards[i] for i in idx)
+        for i in idx:
+            out[i] = rewards[i] - (total - rewards[i]) / (len(idx) - 1)
+    return out
+
+
+# -- per-token quantities -----------------------------------------------------
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log π(target) at each position: ``logits`` (B, T, V) and ``targets`` (B, T) → (B, T)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over the positions where ``mask`` is 1 (0 when the mask is empty)."""
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def completion_mask(prompt_lengths: Sequence[int], completion_lengths: Sequence[int], total_length: int) -> torch.Tensor:
+    """(B, total_length) mask of completion tokens in rows laid out as [prompt | completion | padding].
+
+    The loss is taken on completion tokens only: the prompt is the user's code,
+    not the policy's action.
+    """
+    mask = torch.zeros((len(prompt_lengths), total_length))
+    for row, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+        if p + c > total_length:
+            raise ValueError(f"row {row}: prompt {p} + completion {c} tokens exceed the length {total_length}")
+        mask[row, p:p + c] = 1.0
+    return mask
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    loss: torch.Tensor
+    """The PPO clipped surrogate, to minimise (negated objective)."""
+    clip_fraction: float
+    """Share of completion tokens whose ratio left [1−ε, 1+ε] in the direction the clip cuts."""
+    approx_kl: float
+    """KL(behaviour ‖ current) estimated from the same tokens (k3 estimator)."""
+    ratio_mean: float
+
+
+def ppo_clipped_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, *, clip_eps: float = 0.2) -> PolicyLoss:
+    """PPO's clipped surrogate against the behaviour policy that generated the tokens.
+
+    ratio_t = exp(log π(a_t) − log μ(a_t)), with μ the logprobs the serving
+    replica recorded when it sampled the completion (an off-policy correction:
+    the episode may come from an older version than the one being trained).
+    Per token: −min(ratio·A, clip(ratio, 1−ε, 1+ε)·A), with the sequence's
+    advantage A on each of its tokens; averaged over completion tokens.
+
+    ``logprobs``/``behaviour_logprobs``/``mask``: (B, T); ``advantages``: (B,).
+    """
+    log_ratio = logprobs - behaviour_logprobs
+    ratio = torch.exp(log_ratio)
+    adv = advantages[:, None].to(ratio.dtype)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    loss = masked_mean(-torch.minimum(unclipped, clipped), mask)
+    with torch.no_grad():
+        was_clipped = (clipped < unclipped).float()  # min() picked the clipped term: no gradient there
+        clip_fraction = float(masked_mean(was_clipped, mask))
+        approx_kl = float(masked_mean(kl_k3(behaviour_logprobs, logprobs), mask))
+        ratio_mean = float(masked_mean(ratio, mask))
+    return PolicyLoss(loss, clip_fraction, approx_kl, ratio_mean)
+
+
+def kl_k3(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:
+    """Per-token estimate of KL(q ‖ p) from samples of q: exp(log p − log q) − (log p − log q) − 1.
+
+    John Schulman's "k3" estimator: unbiased, and never negative (x − 1 − log x ≥ 0),
+    unlike the plain log-ratio. Used for the KL to the reference policy (p =
+    reference, q = current) and for the approximate KL of an update.
+    """
+    log_ratio = logprobs_p - logprobs_q
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position: (B, T, V) → (B, T), in nats."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)

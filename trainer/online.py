@@ -1,0 +1,389 @@
+"""`tabloop train`: continuous PPO on ``tabloop.episodes``, publishing weight versions.
+
+The loop, in the order that makes a crash harmless:
+
+1. poll episodes (a consumer group; one second at a time, so an idle trainer
+   costs nothing); each becomes a training sample or is dropped and counted
+   (too stale, empty);
+2. when ``trainer_batch_size`` samples are waiting, or the oldest has waited
+   ``trainer_batch_wait_s``, run one policy update;
+3. every ``trainer_save_every`` updates: write the weights and a manifest to the
+   weight store (the manifest last, fsynced), publish the WeightVersion and wait
+   for Kafka's ack, and only then commit the consumer offsets.
+
+A restart loads the newest manifest's weights and seeks every partition to its
+``source_offsets``: episodes trained after that manifest are trained again
+(their effect was lost with the process), none twice into a saved version and
+none skipped. Run one trainer per base model: a second member of the group
+would take half the partitions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from infra.bus import EventProducer, decode_message, make_codec
+from infra.settings import Settings
+from schemas.topics import EPISODES, WEIGHTS
+from trainer.canary import BASELINE_VERSION, CANARY_SHARE, CanaryTally
+from trainer.losses import BaselineState, baseline_advantages
+from trainer.policy import PolicyTrainer, Sample, UpdateConfig, describe_device, make_sample
+from trainer.weight_store import (Manifest, WeightStore, base_version_event, fold_statuses, promoted_version,
+                                  read_weight_records, version_event)
+
+log = logging.getLogger("tabloop.trainer")
+
+
+@dataclass
+class Pending:
+    """Samples waiting for the next update, and what they came from."""
+
+    samples: list[Sample] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    projects: list[str] = field(default_factory=list)
+    accepted: int = 0
+    staleness: list[int] = field(default_factory=list)
+    first_at: float | None = None
+
+
+@dataclass
+class Progress:
+    """What the next version's manifest will say about its episodes."""
+
+    offsets_start: dict[str, int]
+    offsets: dict[str, int]
+    consumed: int = 0
+    trained: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    updates: int = 0
+    update_metrics: list[dict] = field(default_factory=list)
+
+
+def update_config(settings: Settings) -> UpdateConfig:
+    return UpdateConfig(lr=settings.trainer_lr, warmup_updates=settings.trainer_warmup_updates,
+                        clip_eps=settings.trainer_clip_eps, kl_coef=settings.trainer_kl_coef,
+                        entropy_coef=settings.trainer_entropy_coef, max_grad_norm=settings.trainer_max_grad_norm,
+                        micro_batch=settings.trainer_micro_batch, epochs=settings.trainer_epochs)
+
+
+def drop_reason(episode: dict, current_version: int, max_staleness: int) -> str | None:
+    """Why an episode is consumed without training on it, or None to train on it."""
+    if not episode["completion_token_ids"] and not episode.get("completion_text"):
+        return "empty"
+    behaviour = episode["policy_version"]
+    if behaviour is not None and current_version - behaviour > max_staleness:
+        return "stale"
+    return None
+
+
+class OnlineTrainer:
+    def __init__(self, settings: Settings, *, topic: str = EPISODES.name, group_id: str | None = None):
+        from trainer.models import load_model, resolve_model_spec
+
+        self.settings = settings
+        self.topic = topic
+        self.group_id = group_id or settings.trainer_group
+        self.base_model = resolve_model_spec(settings)
+        self.store = WeightStore(settings.effective_weight_store, self.base_model)
+        self.device = describe_device(settings.trainer_device)
+        self.stop_event = threading.Event()
+        self.log_dir = Path(settings.trainer_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._file_log = logging.FileHandler(self.log_dir / "trainer.log")
+        self._file_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("tabloop").addHandler(self._file_log)
+        if logging.getLogger("tabloop").level == logging.NOTSET:
+            logging.getLogger("tabloop").setLevel(logging.INFO)
+
+        latest = self.store.latest()
+        full = settings.trainer_full_finetune
+        dtype = "float32" if (full or not self.device.startswith("cuda")) else "bfloat16"
+        adapter_dir = None
+        if latest is not None and latest.kind == "FULL":
+            model, tokenizer = load_model(str(self.store.materialize(latest.version, self.log_dir / "cache")),
+                                          device=self.device, dtype=dtype)
+            full = True
+        else:
+            model, tokenizer = load_model(self.base_model, device=self.device, dtype=dtype)
+            if latest is not None:
+                adapter_dir = self.store.materialize(latest.version, self.log_dir / "cache")
+                full = False
+        self.policy = PolicyTrainer(model, tokenizer, update_config(settings), device=self.device, full=full,
+                                    lora_rank=settings.trainer_lora_rank, adapter_dir=adapter_dir,
+                                    seed=settings.trainer_seed)
+        self.version = latest.version if latest else 0
+        self.total_consumed = latest.episodes_consumed_total if latest else 0
+        self.trainer_step = latest.trainer_step if latest else 0
+        offsets = dict(latest.source_offsets) if latest else {}
+        self.progress = Progress(dict(offsets), dict(offsets))
+        baseline = (latest.metrics and _baseline_from(latest)) or BaselineState.empty()
+        self.baseline = baseline
+        self.pending = Pending()
+        self.producer = EventProducer(settings, client_id="tabloop-trainer")
+        self.codec = make_codec(settings)
+        self.weight_records: list[dict] = []
+        self.canary: CanaryTally | None = None
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.log_dir / "tensorboard"))
+        except ImportError:  # pragma: no cover - tensorboard is a dependency; the log file still gets everything
+            log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
+        self.metrics_file = open(self.log_dir / "metrics.jsonl", "a")
+        log.info("trainer for %s on %s: resuming at version %d, %s, offsets %s", self.base_model, self.device,
+                 self.version, "full fine-tuning" if full else f"LoRA rank {settings.trainer_lora_rank}",
+                 offsets or "from the committed/earliest")
+
+    # -- kafka ---------------------------------------------------------------------
+
+    def _on_assign(self, consumer, partitions) -> None:
+        """Seek to the last manifest's offsets: they, not the group's commits, say what is in a saved version."""
+        for tp in partitions:
+            if str(tp.partition) in self.progress.offsets:
+                tp.offset = self.progress.offsets[str(tp.partition)]
+        consumer.assign(partitions)
+        log.info("assigned %s", {tp.partition: tp.offset for tp in partitions})
+
+    def _make_consumers(self) -> tuple[Consumer, Consumer]:
+        episodes = Consumer({"bootstrap.servers": self.settings.kafka_bootstrap, "group.id": self.group_id,
+                             "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                             "partition.assignment.strategy": "range", "log_level": 3})
+        episodes.subscribe([self.topic], on_assign=self._on_assign)
+        weights = Consumer({"bootstrap.servers": self.settings.kafka_bootstrap, "group.id": f"{self.group_id}-weights",
+                            "enable.auto.commit": False, "log_level": 3})
+        weights.assign([TopicPartition(WEIGHTS.name, 0, OFFSET_BEGINNING)])
+        return episodes, weights
+
+    # -- the loop ------------------------------------------------------------------
+
+    def run(self, *, max_versions: int | None = None, idle_exit_s: float | None = None) -> None:
+        """Train until stopped (``stop()``, or ``max_versions`` new versions, or idle ``idle_exit_s`` — tests)."""
+        self.weight_records = read_weight_records(self.settings)
+        self._publish_unannounced()
+        self._refresh_canary()
+        episodes, weights = self._make_consumers()
+        published = 0
+        last_activity = time.monotonic()
+        try:
+            while not self.stop_event.is_set():
+                for m in weights.consume(100, 0):
+                    if m.error() is None and (r := decode_message(self.codec, m)) and r.event is not None:
+                        self.weight_records.append(r.event.record)
+                        self._refresh_canary()
+                batch = episodes.consume(500, 1.0)
+                for m in batch:
+                    received = decode_message(self.codec, m)
+                    if received is None:
+                        continue
+                    last_activity = time.monotonic()
+                    self._take(received)
+                    if len(self.pending.samples) >= self.settings.trainer_batch_size:
+                        published += self._update_and_maybe_save(episodes)
+                if self.pending.samples and time.monotonic() - self.pending.first_at >= self.settings.trainer_batch_wait_s:
+                    published += self._update_and_maybe_save(episodes)
+                self._judge_canary()
+                if max_versions is not None and published >= max_versions:
+                    return
+                if idle_exit_s is not None and time.monotonic() - last_activity > idle_exit_s:
+                    return
+        finally:
+            episodes.close()
+            weights.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        self.producer.close()
+        if self.writer is not None:
+            self.writer.close()
+        self.metrics_file.close()
+        logging.getLogger("tabloop").removeHandler(self._file_log)
+        self._file_log.close()
+
+    def _take(self, received) -> None:
+        """One consumed message: a pending sample, or a counted drop."""
+        p = self.progress
+        p.offsets[str(received.partition)] = received.offset + 1
+        p.consumed += 1
+        if received.event is None:
+            p.dropped["undecodable"] = p.dropped.get("undecodable", 0) + 1
+            log.error("undecodable episode at %s/%d@%d: %s", received.topic, received.partition, received.offset,
+                      received.error)
+            return
+        ep = received.event.record
+        joined = ep["joined_at"]
+        if self.canary is not None:
+            self.canary.add(ep["policy_version"], ep["outcome"], int(joined.timestamp() * 1000))
+        reason = drop_reason(ep, self.version, self.settings.trainer_max_staleness)
+        if reason is not None:
+            p.dropped[reason] = p.dropped.get(reason, 0) + 1
+            return
+        token_ids = list(ep["completion_token_ids"])
+        behaviour = list(ep["behaviour_logprobs"]) if len(ep["behaviour_logprobs"]) == len(token_ids) else None
+        if not token_ids:  # off-policy feedback we never served: the text the IDE showed, no behaviour logprobs
+            token_ids = self.policy.tokenizer.encode(ep["completion_text"], add_special_tokens=False)
+            behaviour = None
+        if not token_ids:
+            p.dropped["empty"] = p.dropped.get("empty", 0) + 1
+            return
+        try:
+            sample = make_sample(self.policy.tokenizer, ep["prompt"] or " ", token_ids, behaviour, 0.0,
+                                 max_prompt_tokens=self.settings.max_prompt_tokens)
+        except ValueError as exc:
+            p.dropped["invalid"] = p.dropped.get("invalid", 0) + 1
+            log.warning("episode %s not trainable: %s", ep["completion_id"], exc)
+            return
+        q = self.pending
+        q.samples.append(sample)
+        q.rewards.append(float(ep["reward"]))
+        q.accepted += ep["outcome"] == "ACCEPTED"
+        q.staleness.append(self.version - ep["policy_version"] if ep["policy_version"] is not None else 0)
+        q.projects.append(ep["project_id"])
+        if q.first_at is None:
+            q.first_at = time.monotonic()
+
+    def _update_and_maybe_save(self, consumer: Consumer) -> int:
+        q, self.pending = self.pending, Pending()
+        advantages, self.baseline = baseline_advantages(q.rewards, q.projects, self.baseline,
+                                                        decay=self.settings.trainer_baseline_decay)
+        samples = [Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, a)
+                   for s, a in zip(q.samples, advantages)]
+        log.info("update %d started: %d episodes", self.trainer_step + 1, len(samples))
+        metrics = self.policy.update(samples)
+        self.trainer_step += 1
+        metrics.update(reward_mean=sum(q.rewards) / len(q.rewards), accept_rate=q.accepted / len(q.rewards),
+                       staleness_mean=sum(q.staleness) / len(q.staleness), staleness_max=float(max(q.staleness)))
+        p = self.progress
+        p.trained += len(samples)
+        p.updates += 1
+        p.update_metrics.append(metrics)
+        metrics.update(dropped_stale_total=float(p.dropped.get("stale", 0)))
+        self._log_metrics(metrics)
+        log.info("update %d done: reward %.3f, loss %.4f, kl %.4f, %.0f tokens/s, %.2fs", self.trainer_step,
+                 metrics["reward_mean"], metrics["policy_loss"], metrics["approx_kl"], metrics["tokens_per_s"],
+                 metrics["update_seconds"])
+        if p.updates >= self.settings.trainer_save_every:
+            self._save_version(consumer)
+            return 1
+        return 0
+
+    def _log_metrics(self, metrics: dict) -> None:
+        row = {"step": self.trainer_step, "version": self.version, "time": time.time(), **metrics}
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(f"train/{k}", v, self.trainer_step)
+            self.writer.flush()
+
+    # -- versions ------------------------------------------------------------------
+
+    def _save_version(self, consumer: Consumer) -> Manifest:
+        import tempfile
+
+        p = self.progress
+        version = self.store.next_version()
+        averaged = {k: sum(m[k] for m in p.update_metrics) / len(p.update_metrics)
+                    for k in p.update_metrics[-1] if all(k in m for m in p.update_metrics)}
+        averaged.update({f"baseline_mean/{proj}": mean for proj, mean in self.baseline.means.items()})
+        averaged.update({f"baseline_count/{proj}": float(n) for proj, n in self.baseline.counts.items()})
+        with tempfile.TemporaryDirectory(dir=self.log_dir) as tmp:
+            self.policy.save(Path(tmp))
+            manifest = self.store.save(version, Path(tmp), dict(
+                parent_version=self.version, kind=self.policy.kind, trainer_step=self.trainer_step,
+                episodes_consumed=p.consumed, episodes_trained=p.trained, episodes_dropped=dict(p.dropped),
+                source_topic=self.topic, source_offsets_start=dict(p.offsets_start), source_offsets=dict(p.offsets),
+                episodes_consumed_total=self.total_consumed + p.consumed, metrics=averaged))
+        self._announce(manifest)
+        # Weights and manifest are on disk, Kafka has the WeightVersion: now the offsets may move.
+        commit = [TopicPartition(self.topic, int(part), off) for part, off in p.offsets.items()]
+        if commit:
+            consumer.commit(offsets=commit, asynchronous=False)
+        self.version = version
+        self.total_consumed += p.consumed
+        self.progress = Progress(dict(p.offsets), dict(p.offsets))
+        log.info("version %d saved (%d episodes, %d trained, dropped %s) at %s", version, manifest.episodes_consumed,
+                 manifest.episodes_trained, manifest.episodes_dropped or "none", manifest.uri)
+        return manifest
+
+    def _announce(self, manifest: Manifest) -> None:
+        """Publish the version's WeightVersion and wait for the ack (the status the settings ask for)."""
+        extra = {}
+        if self.settings.canary_share > 0:
+            status = "CANDIDATE"
+            extra = {CANARY_SHARE: self.settings.canary_share,
+                     BASELINE_VERSION: float(promoted_version(self.weight_records, self.base_model))}
+        else:
+            status = "PROMOTED" if self.settings.auto_promote else "CANDIDATE"
+        event = version_event(manifest, status, extra)
+        self.producer.publish(event)
+        self.producer.flush()
+        self.weight_records.append(event.record)
+        self._refresh_canary()
+
+    def _publish_unannounced(self) -> None:
+        """A crash between the manifest and the WeightVersion left a version nobody heard of: announce it now."""
+        announced = fold_statuses(self.weight_records, self.base_model)
+        for manifest in self.store.manifests():
+            if manifest.version not in announced:
+                log.info("announcing version %d, saved before the last stop but never published", manifest.version)
+                self._announce(manifest)
+
+    # -- canary ----------------------------------------------------------------------
+
+    def _refresh_canary(self) -> None:
+        """Follow the newest undecided CANDIDATE that asked for a canary (or none)."""
+        statuses = fold_statuses(self.weight_records, self.base_model)
+        live = [s for s in statuses.values() if s.status == "CANDIDATE" and s.metrics.get(CANARY_SHARE, 0) > 0]
+        if not live:
+            self.canary = None
+            return
+        newest = max(live, key=lambda s: s.version)
+        if self.canary is None or self.canary.candidate != newest.version:
+            baseline = int(newest.metrics.get(BASELINE_VERSION, promoted_version(self.weight_records, self.base_model)))
+            self.canary = CanaryTally(newest.version, baseline, newest.at_ms)
+            log.info("canary: version %d serves %.0f%% of requests, compared with version %d", newest.version,
+                     100 * newest.metrics[CANARY_SHARE], baseline)
+
+    def _judge_canary(self) -> None:
+        if self.canary is None:
+            return
+        decision = self.canary.decide(self.settings.canary_min_episodes, self.settings.canary_margin)
+        if decision is None:
+            return
+        tally, self.canary = self.canary, None
+        summary = tally.summary()
+        log.info("canary: version %d %s (%s)", tally.candidate, decision, summary)
+        if tally.candidate in self.store.versions():
+            event = version_event(self.store.manifest(tally.candidate), decision, summary)
+        else:  # published by someone else's store: restate what the topic said
+            record = next(r for r in reversed(self.weight_records)
+                          if r["version"] == tally.candidate and r["base_model"] == self.base_model)
+            from schemas.events import new_event
+
+            fields = {k: v for k, v in record.items() if k not in ("event_id", "created_at", "status", "metrics")}
+            event = new_event("WeightVersion", **fields, metrics={**record["metrics"], **summary}, status=decision)
+        self.producer.publish(event)
+        self.producer.flush()
+        self.weight_records.append(event.record)
+        if self.writer is not None:
+            self.writer.add_scalar("canary/promoted", 1.0 if decision == "PROMOTED" else 0.0, tally.candidate)
+
+
+def _baseline_from(manifest: Manifest) -> BaselineState:
+    """The per-project reward means a manifest saved, so a restart does not start the baseline over."""
+    means = {k.split("/", 1)[1]: v for k, v in manifest.metrics.items() if k.startswith("baseline_mean/")}
+    counts = {k.split("/", 1)[1]: int(v) for k, v in manifest.metrics.items() if k.startswith("baseline_count/")}
+    return BaselineState(means, counts)
+
+
+__all__ = ["OnlineTrainer", "drop_reason", "update_config", "base_version_event"]

@@ -1,0 +1,305 @@
+"""The policy and one update of it: reusable by the online trainer and by offline GRPO/RLOO runs.
+
+``PolicyTrainer`` wraps a causal LM (LoRA adapters by default, every weight
+with ``full=True``), its AdamW optimizer, the learning-rate schedule and the
+reference policy for the optional KL term. ``update(samples)`` is one policy
+update: PPO's clipped loss on the completion tokens of every sample, against
+the logprobs recorded when the sample was generated, accumulated over
+micro-batches, gradients clipped, one optimizer step.
+
+A ``Sample`` is (prompt token ids, completion token ids, behaviour logprobs or
+None, advantage): the online trainer fills the advantage from a per-project
+baseline, offline validation from GRPO or RLOO over k samples of a prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from trainer.losses import entropy_from_logits, kl_k3, masked_mean, ppo_clipped_loss, token_logprobs
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float] | None
+    """One per completion token, from the policy that generated it; None = the current policy (on-policy)."""
+    advantage: float
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("a sample needs at least one prompt token (the first completion token's context)")
+        if not self.completion_ids:
+            raise ValueError("a sample needs at least one completion token")
+        if self.behaviour_logprobs is not None and len(self.behaviour_logprobs) != len(self.completion_ids):
+            raise ValueError(f"{len(self.behaviour_logprobs)} behaviour logprobs for "
+                             f"{len(self.completion_ids)} completion tokens")
+
+
+def make_sample(tokenizer, prompt: str, completion_ids: Sequence[int], behaviour_logprobs: Sequence[float] | None,
+                advantage: float, *, max_prompt_tokens: int = 2048) -> Sample:
+    """A Sample from prompt text as the model saw it; long prompts keep their end (nearest the completion)."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)[-max_prompt_tokens:]
+    return Sample(list(ids), list(completion_ids),
+                  list(behaviour_logprobs) if behaviour_logprobs is not None else None, float(advantage))
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    lr: float = 1e-5
+    warmup_updates: int = 10
+    """Linear warm-up of the learning rate; constant afterwards (an online trainer has no last step)."""
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    """Weight of KL(current ‖ reference) in the loss; 0 = off (no reference forward pass)."""
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch: int = 8
+    """Samples per forward/backward; the gradient of a whole update is accumulated over them."""
+    epochs: int = 1
+    """Passes over the batch per update (PPO epochs); each pass is one optimizer step."""
+    weight_decay: float = 0.0
+
+
+def describe_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class PolicyTrainer:
+    def __init__(self, model, tokenizer, config: UpdateConfig, *, device: str = "cpu", full: bool = False,
+                 lora_rank: int = 16, lora_alpha: int | None = None, adapter_dir: str | Path | None = None,
+                 seed: int | None = None):
+        """``model`` is a loaded base (or full-weights) model; ``adapter_dir`` resumes a saved LoRA adapter."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.device = describe_device(device)
+        self.full = full
+        if seed is not None:
+            torch.manual_seed(seed)
+        model.to(self.device)
+        self.reference = None
+        if full:
+            self.model = model
+            if config.kl_coef > 0:
+                import copy
+
+                self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        else:
+            from peft import LoraConfig, PeftModel, get_peft_model
+
+            if adapter_dir is not None:
+                self.model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+            else:
+                lora = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0,
+                                  target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+                self.model = get_peft_model(model, lora)
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainable_parameters = sum(p.numel() for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        warm = max(1, config.warmup_updates)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / warm))
+        self.updates = 0
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+
+    # -- one update ---------------------------------------------------------------
+
+    def _autocast(self):
+        if self.device.startswith("cuda"):
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()  # fp32 on the CPU
+
+    def _reference_context(self):
+        """The reference policy: the base model under the adapter (LoRA), or a frozen copy (full)."""
+        if self.reference is not None:
+            return contextlib.nullcontext(self.reference)
+        if not self.full:
+            @contextlib.contextmanager
+            def base():
+                with self.model.disable_adapter():
+                    yield self.model
+            return base()
+        raise RuntimeError("no reference policy (kl_coef is 0)")
+
+    def _forward(self, model, batch: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits predicting each completion token (B, C, V), target ids (B, C), mask (B, C)).
+
+        Rows are left-padded so every completion ends in the last column: the
+        logits are then only computed for the last C+1 positions
+        (``logits_to_keep``), not for the whole prompt — with a 150k vocabulary
+        the full logits would dominate memory.
+        """
+        longest_c = max(len(s.completion_ids) for s in batch)
+        longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in batch)
+        ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(batch), longest), dtype=torch.long)
+        targets = torch.full((len(batch), longest_c), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest_c))
+        for row, s in enumerate(batch):
+            seq = s.prompt_ids + s.completion_ids
+            ids[row, longest - len(seq):] = torch.tensor(seq)
+            attn[row, longest - len(seq):] = 1
+            c = len(s.completion_ids)
+            # A completion shorter than the longest sits at the right end of the target window too.
+            targets[row, longest_c - c:] = torch.tensor(s.completion_ids)
+            mask[row, longest_c - c:] = 1.0
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        ids, attn, positions = ids.to(self.device), attn.to(self.device), positions.to(self.device)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=longest_c + 1,
+                    use_cache=False)
+        logits = out.logits[:, :-1, :]  # position t predicts token t+1: the last one predicts nothing we have
+        return logits, targets.to(self.device), mask.to(self.device)
+
+    def update(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One policy update on ``samples``; returns its metrics (loss, KL, clip fraction, entropy, grad norm…)."""
+        if not samples:
+            raise ValueError("an update needs at least one sample")
+        cfg = self.config
+        started = time.perf_counter()
+        total_tokens = sum(len(s.completion_ids) for s in samples)
+        micro = [samples[i:i + cfg.micro_batch] for i in range(0, len(samples), cfg.micro_batch)]
+        sums = {"policy_loss": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "kl_ref": 0.0,
+                "ratio_mean": 0.0}
+        grad_norm = 0.0
+        frozen_behaviour: dict[int, torch.Tensor] = {}
+        for epoch in range(cfg.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for index, chunk in enumerate(micro):
+                share = sum(len(s.completion_ids) for s in chunk) / total_tokens
+                with self._autocast():
+                    logits, targets, mask = self._forward(self.model, chunk)
+                logprobs = token_logprobs(logits, targets)
+                if index not in frozen_behaviour:
+                    frozen_behaviour[index] = self._behaviour_tensor(chunk, logprobs.detach(), mask)
+                advantages = torch.tensor([s.advantage for s in chunk], device=logprobs.device)
+                pl = ppo_clipped_loss(logprobs, frozen_behaviour[index], advantages, mask, clip_eps=cfg.clip_eps)
+                loss = pl.loss
+                need_entropy = cfg.entropy_coef > 0
+                with contextlib.nullcontext() if need_entropy else torch.no_grad():
+                    entropy = masked_mean(entropy_from_logits(logits), mask)
+                if need_entropy:
+                    loss = loss - cfg.entropy_coef * entropy
+                kl_ref = torch.zeros(())
+                if cfg.kl_coef > 0:
+                    with torch.no_grad(), self._reference_context() as ref, self._autocast():
+                        ref_logits, _, _ = self._forward(ref, chunk)
+                        ref_logprobs = token_logprobs(ref_logits, targets)
+                    kl_ref = masked_mean(kl_k3(ref_logprobs, logprobs), mask)
+                    loss = loss + cfg.kl_coef * kl_ref
+                (loss * share).backward()
+                if epoch == cfg.epochs - 1:
+                    sums["policy_loss"] += pl.loss.item() * share
+                    sums["approx_kl"] += pl.approx_kl * share
+                    sums["clip_fraction"] += pl.clip_fraction * share
+                    sums["entropy"] += entropy.item() * share
+                    sums["kl_ref"] += kl_ref.item() * share
+                    sums["ratio_mean"] += pl.ratio_mean * share
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            self.scheduler.step()
+        self.updates += 1
+        seconds = time.perf_counter() - started
+        return {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+                "update_seconds": seconds, "tokens": float(total_tokens),
+                "tokens_per_s": total_tokens * cfg.epochs / seconds if seconds > 0 else 0.0,
+                "samples": float(len(samples)),
+                "advantage_mean": sum(s.advantage for s in samples) / len(samples)}
+
+    def _behaviour_tensor(self, chunk: Sequence[Sample], current: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Recorded behaviour logprobs laid out like the targets; the current policy's where none were recorded."""
+        out = current.clone()
+        width = out.shape[1]
+        for row, s in enumerate(chunk):
+            if s.behaviour_logprobs is not None:
+                c = len(s.behaviour_logprobs)
+                out[row, width - c:] = torch.tensor(s.behaviour_logprobs, dtype=out.dtype, device=out.device)
+        return out
+
+    # -- evaluation helpers ----------------------------------------------------------
+
+    @torch.no_grad()
+    def sequence_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Current per-token logprobs of each sample's completion (for checks and offline evaluation)."""
+        self.model.eval()
+        try:
+            with self._autocast():
+                logits, targets, mask = self._forward(self.model, samples)
+            lp = token_logprobs(logits, targets)
+            return [lp[row, mask.shape[1] - len(s.completion_ids):].tolist() for row, s in enumerate(samples)]
+        finally:
+            self.model.train()
+
+    # -- saving ----------------------------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        return "FULL" if self.full else "LORA"
+
+    def save(self, out_dir: Path) -> Path:
+        """Write the weights the way serving loads them: a peft adapter, or a full model with its tokenizer."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out_dir, safe_serialization=True)
+        if self.full:
+            self.tokenizer.save_pretrained(out_dir)
+        return out_dir
+
+
+@torch.no_grad()
+def sample_completions(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                       generator: torch.Generator | None = None, eos_id: int | None = None,
+                       pad_id: int = 0) -> list[tuple[list[int], list[float]]]:
+    """Sample a completion per prompt: (token ids, their logprobs under the model at temperature 1).
+
+    The logprobs are what serving records as behaviour logprobs; offline runs
+    and tests generate their own episodes with this.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        longest = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, longest - len(p):] = torch.tensor(list(p))
+            attn[row, longest - len(p):] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
+        done = [False] * len(prompts)
+        for _ in range(max_new_tokens):
+            positions = (attn.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=1).logits[:, -1]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            probs = torch.softmax(logits.float() / max(temperature, 1e-4), dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
+            for row in range(len(prompts)):
+                if done[row]:
+                    continue
+                token = int(nxt[row])
+                out[row][0].append(token)
+                out[row][1].append(float(logp[row, token]))
+                if eos_id is not None and token == eos_id:
+                    done[row] = True
+            if all(done):
+                break
+            ids = torch.cat([ids, nxt.to(device)[:, None]], dim=1)
+            attn = torch.cat([attn, torch.ones((len(prompts), 1), dtype=attn.dtype, device=device)], dim=1)
+        return out
+    finally:
+        model.train(was_training)
