@@ -100,6 +100,22 @@ def test_exact_scorer_rewards_what_the_editor_would_show():
         make_scorer("judge")
 
 
+def test_tests_and_judge_scorers_as_rewards():
+    """tests: the task's tests in the sandbox decide 1/0; judge: its 0–10 score / 10, an error stays None."""
+    from streams.judge import JudgeConfig
+    from tests.test_judge import FakeJudgeAPI, Reply
+
+    task = FimTask("add", "def add(a, b):\n    return ", "\n", "a + b", test="assert add(2, 3) == 5")
+    assert make_scorer("tests")([task, task], ["a + b", "a - b"]) == [1.0, 0.0]
+    api = FakeJudgeAPI()
+    try:
+        api.script = [Reply("Fine.\nSCORE: 7"), Reply(status=400)]
+        config = JudgeConfig(api_url=f"{api.url}/v1", api_key="k", model="judge", max_retries=0, max_concurrency=1)
+        assert make_scorer("judge", judge_config=config)([task, task], ["a + b", "a * b"]) == [0.7, None]
+    finally:
+        api.stop()
+
+
 # -- learning on the tiny model ------------------------------------------------------------------------
 
 
