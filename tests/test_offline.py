@@ -256,6 +256,10 @@ def test_train_offline_refuses_what_it_cannot_do(tiny_model, tmp_path):
     for args, message in cases:
         result = _train(env, *args)
         assert result.exit_code != 0 and message in result.output, (args, result.output)
+    # The random tiny model never writes "1": no group has signal, no update, and no copy of the base as a version.
+    idle = _train(env, "--offline", "--group-size", "2", "--max-new-tokens", "1", "--no-publish", str(data))
+    assert idle.exit_code == 0, idle.output
+    assert json.loads(idle.stdout.strip().splitlines()[-1])["versions"] == [] and "no new version" in idle.stderr
     assert not (tmp_path / "state" / "weights").exists()
 
 

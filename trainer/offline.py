@@ -437,6 +437,11 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
             if last and eval_tasks:
                 say(f"train --offline: evaluating the trained policy on {len(eval_tasks)} tasks of {run.eval_dataset}")
                 eval_after = _evaluate(policy, eval_tasks, run.scorer, run, say)
+            if not any(f["updated"] for f in pending):
+                # The weights are the parent's: a version would only be a copy of it.
+                say(f"train --offline: no policy update since version {parent.version if parent else 0} "
+                    f"(no group had signal): no new version")
+                continue
             manifest = _save_version(store, policy, parent, run, pending, step, eval_before if last else None,
                                      eval_after if last else None, len(tasks))
             status = None
@@ -446,7 +451,7 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
             say(f"train --offline: version {manifest.version} saved at {manifest.uri}"
                 + (f", published as {status}" if status else " (not published)"))
             versions.append({"version": manifest.version, "uri": manifest.uri, "status": status,
-                             "reward_mean": manifest.metrics["reward_mean"]})
+                             "reward_mean": manifest.metrics.get("reward_mean")})
             parent, pending = manifest, []
 
     rewards = [u["reward_mean"] for u in updates]
