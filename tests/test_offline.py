@@ -234,6 +234,8 @@ def test_train_offline_writes_a_version_with_its_manifest(tiny_model, tmp_path):
     assert again.exit_code == 0, again.output
     assert store.versions() == [1, 2] and store.manifest(2).parent_version == 1
     assert store.manifest(2).training["algo"] == "grpo" and store.manifest(2).trainer_step >= m.trainer_step
+    lora = _train(env, "--offline", "--lora", "--no-publish", str(data))
+    assert lora.exit_code == 1 and "version 2 in the weight store is FULL" in lora.output
 
 
 def test_train_offline_refuses_what_it_cannot_do(tiny_model, tmp_path):

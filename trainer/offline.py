@@ -34,7 +34,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -297,7 +297,6 @@ class OfflineRun:
     judge_config: object = None
     lr: float | None = None
     full: bool | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class OfflineError(ValueError):
@@ -325,6 +324,10 @@ def load_current_policy(settings, store, *, lr: float | None = None, full: bool 
 
     device = describe_device(settings.trainer_device)
     latest = store.latest()
+    if latest is not None and full is not None and full != (latest.kind == "FULL"):
+        # The newest version fixes the kind: its weights are a LoRA adapter or a whole model, not both.
+        raise OfflineError(f"version {latest.version} in the weight store is {latest.kind}: training continues "
+                           f"from it as {latest.kind}; drop {'--full' if full else '--lora'}")
     want_full = settings.trainer_full_finetune if full is None else full
     cache = Path(settings.trainer_dir) / "cache"
     adapter_dir = None
@@ -364,7 +367,7 @@ def _evaluate(policy: PolicyTrainer, tasks, scorer: str, run: OfflineRun, log) -
 def _flat_eval(prefix: str, summary: dict | None) -> dict[str, float]:
     if not summary:
         return {}
-    return {f"{prefix}/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and v is not None}
+    return {f"{prefix}/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
 
 def _mean(xs: Sequence[float]) -> float:
