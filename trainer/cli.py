@@ -10,6 +10,8 @@ from datetime import datetime, timezone
 
 import click
 
+from trainer.offline_cli import offline_options, offline_requested, train_offline
+
 
 def _settings(ctx: click.Context):
     return ctx.find_root().obj
@@ -24,9 +26,14 @@ def _error(message: str) -> click.ClickException:
               help="Episode topic to train on (e.g. a replayed copy).")
 @click.option("--max-versions", type=click.IntRange(min=1), default=None,
               help="Stop after publishing this many new versions (default: never stop).")
+@offline_options
 @click.pass_context
-def train(ctx: click.Context, topic: str, max_versions: int | None) -> None:
-    """Continuous PPO on tabloop.episodes; publishes weight versions to the weight store and tabloop.weights."""
+def train(ctx: click.Context, topic: str, max_versions: int | None, **offline) -> None:
+    """Continuous PPO on tabloop.episodes; publishes weight versions to the weight store and tabloop.weights.
+
+    With --offline: GRPO/RLOO on DATASET's tasks (trainer/offline.py)."""
+    if offline_requested(ctx, offline):
+        return train_offline(ctx, max_versions=max_versions, **offline)
     import signal
 
     from infra.bus import broker_answers

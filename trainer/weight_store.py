@@ -60,6 +60,9 @@ class Manifest:
     episodes_consumed_total: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    training: dict = field(default_factory=dict)
+    """How the version was trained when not from the episode topic: {"mode": "offline", "algo", "group_size",
+    "scorer", "dataset", …} (trainer/offline.py); empty for online versions."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
