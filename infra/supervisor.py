@@ -70,7 +70,7 @@ class Component:
 COMPONENTS: tuple[Component, ...] = (
     Component("serve", ("serve",), health="http"),
     Component("streams", ("streams",), health="group", group="tabloop-streams"),
-    # Built on their own branches; until merged they show as "not installed".
+    # Alive for a grace period: the trainer may spend minutes loading a model before it joins its group.
     Component("trainer", ("train",), health="alive", group="tabloop-trainer", group_setting="trainer_group"),
     Component("history", ("history",), health="alive", group="tabloop-history"),
 )

@@ -4,7 +4,6 @@ against the CLI and the Settings themselves, not against a list kept by hand."""
 from __future__ import annotations
 
 import re
-import warnings
 
 import click
 
@@ -12,7 +11,6 @@ from infra.settings import ENV_PREFIX, Settings, load_settings
 
 # Commands built on other branches, run by the supervisor and named in the deployment files before they land.
 # Once registered they are checked like every other command; remove a name here when its branch is merged.
-PENDING_COMMANDS = {"train", "history"}
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$\$")
 
@@ -54,9 +52,6 @@ def check_tabloop_command(argv: list[str]) -> str:
         assert args, f"`tabloop {' '.join(path)}` needs a subcommand"
         name = args.pop(0)
         sub = cmd.commands.get(name)
-        if sub is None and not path and name in PENDING_COMMANDS:
-            warnings.warn(f"`tabloop {name}` is not registered yet (its branch is pending)")
-            return name
         assert sub is not None, f"`tabloop {' '.join(path + [name])}` is not a tabloop command"
         path.append(name)
         cmd = sub
