@@ -49,6 +49,8 @@ def check_tabloop_command(argv: list[str]) -> str:
     path: list[str] = []
     args = list(argv)
     while isinstance(cmd, click.Group):
+        if cmd.invoke_without_command and (not args or args[0].startswith("-")):
+            break  # a group that runs by itself too (`tabloop history`)
         assert args, f"`tabloop {' '.join(path)}` needs a subcommand"
         name = args.pop(0)
         sub = cmd.commands.get(name)
