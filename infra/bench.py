@@ -370,7 +370,8 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
                 producer.publish(f)
                 producer._producer.poll(0)
             achieved = m / (time.perf_counter() - t0)
-        done = wait_for(list(sent), 60 + seconds * 10, "live")
+        # A worker slower than the feedback rate drains what piled up at its backlog pace.
+        done = wait_for(list(sent), max(60 + seconds * 10, 2 * m / throughput), "live")
         latencies = [(arrivals[i] - t) * 1000 for i, t in sent.items() if i in arrivals]
         print(f"  live: {len(latencies):,}/{m:,} episodes at {achieved:,.0f} feedback/s", file=sys.stderr)
     finally:
