@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -316,6 +317,23 @@ def decode_message(codec: Codec, m) -> Received | None:
     return Received(m.topic(), m.partition(), m.offset(), m.key(), value, event, error)
 
 
+_LEADERSHIP_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                      KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT}
+
+
+def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(low, high) of a partition, waiting out what a broker says right after it restarts (no leader yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return consumer.get_watermark_offsets(tp, timeout=10)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if not (err.retriable() or err.code() in _LEADERSHIP_MOVING) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def read_topic(settings: Settings, topic: str, codec: Codec | None = None, *, from_beginning: bool = True,
                last: int | None = None, follow: bool = False, limit: int | None = None,
                idle_timeout_s: float = 1.0) -> Iterable[Received]:
@@ -338,7 +356,7 @@ def read_topic(settings: Settings, topic: str, codec: Codec | None = None, *, fr
             raise ValueError(f"topic {topic!r} does not exist on {settings.kafka_bootstrap}")
         assignment, ends, remaining = [], {}, set()
         for p in sorted(tmeta.partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            low, high = watermark_offsets(consumer, TopicPartition(topic, p))
             if last is not None:
                 start = max(low, high - last)
             else:

@@ -22,7 +22,7 @@ from typing import Iterable
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from infra.bus import EVENT_ID_HEADER, EventProducer, PublishError, broker_answers
+from infra.bus import EVENT_ID_HEADER, EventProducer, PublishError, broker_answers, watermark_offsets
 from infra.settings import Settings
 from schemas.codec import Codec
 from schemas.events import Event
@@ -219,7 +219,7 @@ def event_ids_on_kafka(settings: Settings, records: Iterable[SpoolRecord]) -> se
             starts = consumer.offsets_for_times([TopicPartition(topic, p, since) for p in meta.partitions], 10)
             assignment, remaining = [], set()
             for tp in starts:
-                _, high = consumer.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=10)
+                _, high = watermark_offsets(consumer, TopicPartition(topic, tp.partition))
                 start = tp.offset if tp.offset >= 0 else high  # -1: nothing that recent
                 if start < high:
                     assignment.append(TopicPartition(topic, tp.partition, start))

@@ -40,17 +40,26 @@ def _topic_state(settings, name):
     return len(meta.partitions), {k: v.value for k, v in configs.items()}
 
 
+def fresh_catalog() -> list[Topic]:
+    """The catalog under names no other test has used: the session broker is shared, and tests that
+    ran before may already have created (and written to) the real topics."""
+    suffix = uuid.uuid4().hex[:6]
+    return [Topic(f"{t.name}.{suffix}", t.event_type, t.configs, t.partitions) for t in CATALOG]
+
+
 def test_topics_create_is_idempotent_and_matches_the_catalog(kafka_settings):
-    first = ensure_topics(kafka_settings)
-    assert sorted(a for a in first if a.endswith("created")) == sorted(f"{t.name}: created" for t in CATALOG)
-    assert ensure_topics(kafka_settings) == []  # second run: nothing to do
-    for t in CATALOG:
+    catalog = fresh_catalog()
+    first = ensure_topics(kafka_settings, catalog)
+    assert sorted(a for a in first if a.endswith("created")) == sorted(f"{t.name}: created" for t in catalog)
+    assert ensure_topics(kafka_settings, catalog) == []  # second run: nothing to do
+    for t in catalog:
         partitions, configs = _topic_state(kafka_settings, t.name)
         assert partitions == (t.partitions or kafka_settings.topic_partitions)
         for k, v in t.configs.items():
             assert configs[k] == v, (t.name, k)
-    assert _topic_state(kafka_settings, "tabloop.weights")[1]["cleanup.policy"] == "compact"
-    assert _topic_state(kafka_settings, "tabloop.feedback")[1]["retention.ms"] == "-1"
+    by_type = {t.event_type: t.name for t in catalog}
+    assert _topic_state(kafka_settings, by_type["WeightVersion"])[1]["cleanup.policy"] == "compact"
+    assert _topic_state(kafka_settings, by_type["FeedbackReceived"])[1]["retention.ms"] == "-1"
 
 
 def test_topics_create_fixes_drift_or_says_why_not(kafka_settings):
@@ -68,9 +77,9 @@ def test_topics_create_fixes_drift_or_says_why_not(kafka_settings):
                       [Topic(name, "Episode", {}, partitions=4)])
 
 
-def _publish_all(settings, events):
+def _publish_all(settings, events, topic_of: dict[str, str] | None = None):
     with EventProducer(settings) as producer:
-        futures = [producer.publish_acked(e) for e in events]
+        futures = [producer.publish_acked(e, topic=(topic_of or {}).get(e.type)) for e in events]
         producer.flush()
     done, not_done = wait(futures, timeout=60)
     assert not not_done
@@ -78,7 +87,9 @@ def _publish_all(settings, events):
 
 
 def test_ten_thousand_of_each_type_through_a_consumer_group(kafka, kafka_settings):
-    ensure_topics(kafka_settings)
+    catalog = fresh_catalog()  # topics of its own: counts below are exact
+    ensure_topics(kafka_settings, catalog)
+    topic_of = {t.event_type: t.name for t in catalog}
     sequence: dict[str, int] = {}
     events = []
     for type_name in EVENT_TYPES:
@@ -89,11 +100,11 @@ def test_ten_thousand_of_each_type_through_a_consumer_group(kafka, kafka_setting
                 e.record["completion_id"] = f"cmpl-{i % 50}"
             sequence[e.event_id] = len(events)
             events.append(e)
-    delivered = _publish_all(kafka_settings, events)
+    delivered = _publish_all(kafka_settings, events, topic_of)
     assert len(delivered) == len(events)
 
     group = f"test-{uuid.uuid4().hex[:6]}"
-    topics = [t.name for t in CATALOG]
+    topics = [t.name for t in catalog]
     got, errors = [], []
     with EventConsumer(kafka_settings, group, topics) as consumer:
         while len(got) + len(errors) < len(events):
@@ -108,7 +119,7 @@ def test_ten_thousand_of_each_type_through_a_consumer_group(kafka, kafka_setting
     per_key_seq = defaultdict(list)
     for r in got:
         per_type[r.event.type] += 1
-        assert r.topic == EVENT_TYPES[r.event.type].topic
+        assert r.topic == topic_of[r.event.type]
         assert r.key.decode() == r.event.key
         per_key_seq[(r.topic, r.key)].append(sequence[r.event.event_id])
     assert per_type == {t: N_PER_TYPE for t in EVENT_TYPES}
