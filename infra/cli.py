@@ -312,6 +312,34 @@ def model_tiny(out_dir: str, seed: int) -> None:
     click.echo(f"tiny model in {build_tiny_model(Path(out_dir), seed=seed)}")
 
 
+@model.command("demo")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Directory to write (default: the state dir's models/demo, what TABLOOP_MODEL=demo serves).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=600, show_default=True, help="Optimizer steps.")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Wall-clock cap on pretraining (default: TABLOOP_DEMO_MINUTES, 8).")
+@click.option("--sources", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Python files to learn from (default: the standard library's train split).")
+@click.pass_context
+def model_demo(ctx: click.Context, out_dir: str | None, seed: int, steps: int, minutes: float | None,
+               sources: str | None) -> None:
+    """A small Qwen2 pretrained here with the FIM objective (minutes; cached: a second call reuses it)."""
+    from pathlib import Path
+
+    from trainer.demo_model import DemoConfig, build_demo_model
+
+    s = _settings(ctx)
+    out = Path(out_dir) if out_dir else s.state_dir / "models" / "demo"
+    try:
+        config = DemoConfig(seed=seed, steps=steps, minutes=minutes or s.demo_minutes)
+        path, marker = build_demo_model(out, config, sources=Path(sources) if sources else None)
+    except ValueError as exc:
+        raise TabloopError(str(exc)) from None
+    click.echo(f"demo model in {path} (loss {marker['loss_first']} -> {marker['loss_last']}, "
+               f"{marker['steps_done']} steps, stopped by {marker['stopped_by']})")
+
+
 # -- whole system (grows with the other components) ------------------------------
 
 
@@ -405,6 +433,13 @@ def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens:
     from infra.bench import bench_serving as run
 
     run(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
+
+
+from trainer.proof_cli import eval_command, simulate, tasks  # noqa: E402  (the proof-of-learning commands)
+
+main.add_command(tasks)
+main.add_command(simulate)
+main.add_command(eval_command)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class Settings(BaseModel):
     topic_replication: int = Field(1, ge=1, le=32, description="replication factor of every topic")
     kafka_heap: str = Field("512m", description="JVM heap of the local broker (-Xmx)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    demo_minutes: float = Field(8.0, gt=0, le=600, description="pretraining budget of the demo model (TABLOOP_MODEL=demo)")
 
     # -- the front door (serving/) --
     serve_host: str = Field("127.0.0.1", description="address the front door listens on")

@@ -304,14 +304,17 @@ def fim_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
 
 
 def resolve_model_spec(settings) -> str:
-    """What ``TABLOOP_MODEL`` means: a path or hub id as given; ``demo`` → the model built here.
+    """What ``TABLOOP_MODEL`` means: a path or hub id as given; ``demo`` → the demo model built here.
 
-    Until the pretrained demo model exists (``tabloop model demo``), ``demo``
-    serves the tiny random model, built once (seconds) under the state dir.
+    The demo model (``trainer.demo_model``) is built on first use under the
+    state dir: minutes (``TABLOOP_DEMO_MINUTES``), with progress on stderr;
+    later calls reuse it.
     """
     if settings.model != "demo":
         return settings.model
+    from trainer.demo_model import DemoConfig, build_demo_model, demo_marker
+
     out = (settings.state_dir / "models" / "demo").resolve()
-    if not (out / MODEL_MARKER).exists():
-        build_tiny_model(out)
+    if demo_marker(out) is None:
+        build_demo_model(out, DemoConfig(minutes=settings.demo_minutes))
     return str(out)

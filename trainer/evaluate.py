@@ -1,0 +1,233 @@
+"""Offline evaluation: sample completions of a dataset's tasks with a policy, score them, summarise.
+
+``tabloop eval --scorer exact|tests|judge DATASET [--policy V]``:
+
+* the policy is the base model (``TABLOOP_MODEL``), or policy version ``V``
+  as published on ``tabloop.weights`` (its ``uri`` and ``kind``, loaded the way
+  the serving engine loads it), or a directory of weights (full model, or a
+  LoRA adapter over the base model) — ``load_policy``;
+* completions are generated the way the front door's engine would serve them
+  (the FIM prompt trimmed to the prompt budget without losing a FIM token,
+  generation stopped at the end-of-text token and at Continue's stop strings)
+  and then cut the way Continue shows them (one line when the cursor is after
+  text on its line);
+* every run reports exact match, line match (what the default simulated user
+  accepts), edit similarity and the share of empty suggestions; ``tests`` adds
+  pass@1 (the task's tests in the sandbox), ``judge`` the LLM judge's 0–10 score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from serving.fim import earliest_stop, trim_prompt_ids
+from trainer.metrics import Scored, summarize
+from trainer.simulate import CONTINUE_STOPS, single_line_mode
+from trainer.tasks import FimTask, iter_batches
+
+SCORERS = ("exact", "tests", "judge")
+
+
+# -- the policy ------------------------------------------------------------------------------
+
+def load_policy(settings, policy: str | None = None, *, model_spec: str | None = None, device: str = "cpu"):
+    """(model, tokenizer, label) for ``policy``: None or "0" → the base model; a version number → that
+    version from ``tabloop.weights``; a directory → its weights (a LoRA adapter if it has
+    adapter_config.json, else a full model)."""
+    from trainer.models import load_model, resolve_model_spec
+
+    base_spec = model_spec or resolve_model_spec(settings)
+    model, tokenizer = load_model(base_spec, device=device)
+    if policy is None or policy == "0":
+        return model, tokenizer, f"{Path(base_spec).name or base_spec} (base)"
+    path = Path(policy)
+    if path.is_dir():
+        kind = "LORA" if (path / "adapter_config.json").is_file() else "FULL"
+        return apply_weights(model, str(path), kind, device), tokenizer, f"{path.name} ({kind.lower()})"
+    if not policy.isdigit():
+        raise ValueError(f"--policy must be a version number or a weights directory, got {policy!r}")
+    uri, kind = published_version(settings, int(policy), base_spec)
+    return apply_weights(model, uri, kind, device), tokenizer, f"v{policy}"
+
+
+def published_version(settings, version: int, base_model: str) -> tuple[str, str]:
+    """(uri, kind) of ``version`` of ``base_model`` on the weights topic: the hook between the trainer's
+    weight store and evaluation is the same WeightVersion event serving replicas load from."""
+    from infra.bus import read_topic
+    from schemas.topics import WEIGHTS
+
+    found = None
+    for r in read_topic(settings, WEIGHTS.name, from_beginning=True):
+        rec = r.event.record if r.event is not None else None
+        if rec and rec["version"] == version and rec["base_model"] == base_model:
+            found = rec  # the last record of that version wins (compacted topic: its latest status)
+    if found is None:
+        raise ValueError(f"policy version {version} of {base_model} is not on {WEIGHTS.name}")
+    return found["uri"], found["kind"]
+
+
+def apply_weights(base: torch.nn.Module, uri: str, kind: str, device: str = "cpu") -> torch.nn.Module:
+    """The base model with a version's weights, as serving's engine builds it."""
+    import copy
+
+    path = uri.removeprefix("file://")
+    if kind == "LORA":
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(copy.deepcopy(base), path).merge_and_unload().eval()
+    if kind == "FULL":
+        from trainer.models import load_model
+
+        return load_model(path, device=device)[0]
+    raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+class _StopWhenDone(StoppingCriteria):
+    """Per row: done at a stop string, or at a newline for single-line tasks."""
+
+    def __init__(self, tokenizer, prompt_len: int, single_line: list[bool], stops: Sequence[str]):
+        self.tokenizer, self.prompt_len, self.single_line, self.stops = tokenizer, prompt_len, single_line, stops
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = []
+        for row, single in zip(input_ids, self.single_line):
+            text = self.tokenizer.decode(row[self.prompt_len:], skip_special_tokens=False)
+            done.append(earliest_stop(text, self.stops) >= 0 or (single and "\n" in text))
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def cut_completion(text: str, prefix: str, stops: Sequence[str] = CONTINUE_STOPS) -> str:
+    """What Continue would insert: up to the first stop string; one line when the cursor follows text."""
+    at = earliest_stop(text, stops)
+    if at >= 0:
+        text = text[:at]
+    if single_line_mode(prefix):
+        text = text.split("\n", 1)[0]
+    return text.rstrip()
+
+
+@torch.no_grad()
+def generate(model, tokenizer, tasks: Sequence[FimTask], *, max_new_tokens: int = 48, temperature: float = 0.0,
+             top_p: float = 1.0, batch_size: int = 8, max_prompt_tokens: int = 2048, seed: int = 0,
+             with_context: bool = False, progress: Callable[[int], None] | None = None) -> list[str]:
+    """One completion per task (cut as Continue shows it)."""
+    from trainer.models import fim_token_ids
+
+    special = fim_token_ids(tokenizer)
+    special_ids = set(special.values())
+    budget = min(max_prompt_tokens, getattr(tokenizer, "model_max_length", max_prompt_tokens) or max_prompt_tokens)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    out: list[str] = []
+    generator_seed = seed
+    for batch in iter_batches(list(tasks), batch_size):
+        rows = []
+        for t in batch:
+            ids = tokenizer.encode(t.fim_prompt(with_context=with_context), add_special_tokens=False)
+            rows.append(trim_prompt_ids(ids, budget, special_ids, special.get("<|fim_prefix|>"),
+                                        special.get("<|fim_suffix|>")))
+        width = max(len(r) for r in rows)
+        # Left padding: every row's next token comes right after its own prompt.
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        stop = _StopWhenDone(tokenizer, width, [single_line_mode(t.prefix) for t in batch], CONTINUE_STOPS)
+        sampling = temperature > 0
+        torch.manual_seed(generator_seed)
+        generator_seed += 1
+        generated = model.generate(
+            input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sampling,
+            temperature=temperature if sampling else None, top_p=top_p if sampling else None, top_k=None,
+            pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, stopping_criteria=StoppingCriteriaList([stop]))
+        for t, row in zip(batch, generated[:, width:]):
+            text = tokenizer.decode(row, skip_special_tokens=False)
+            out.append(cut_completion(text, t.prefix))
+        if progress:
+            progress(len(batch))
+    return out
+
+
+# -- scoring ----------------------------------------------------------------------------------------
+
+def score_tests(tasks: Sequence[FimTask], completions: Sequence[str], *, workers: int = 2,
+                timeout_s: float = 10.0) -> list[bool]:
+    """Whether each task's file with its completion passes the task's tests (in the sandbox)."""
+    from streams.sandbox import run_tests
+
+    missing = [t.task_id for t in tasks if t.test is None]
+    if missing:
+        raise ValueError(f"the tests scorer needs tasks with tests; {len(missing)} of {len(tasks)} have none "
+                         f"(e.g. {missing[0]}): use a dataset such as humaneval")
+    # One uid per worker: runs of one uid share its process limit and could signal each other.
+    def run(i: int) -> bool:
+        uid = 65534 - (i % workers)
+        return run_tests(tasks[i].program(completions[i]), timeout_s=timeout_s, uid=uid, gid=65534).passed
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(run, range(len(tasks))))
+
+
+async def _judge_all(config, tasks: Sequence[FimTask], completions: Sequence[str]):
+    from streams.judge import JudgeClient
+
+    async with JudgeClient(config) as client:
+        return await asyncio.gather(*(client.score(t.prefix, t.suffix, c) for t, c in zip(tasks, completions)))
+
+
+def score_judge(config, tasks: Sequence[FimTask], completions: Sequence[str]) -> list[tuple[float | None, str | None]]:
+    """(score, error) per completion from the LLM judge (``streams.judge``)."""
+    return [(r.score, r.error) for r in asyncio.run(_judge_all(config, tasks, completions))]
+
+
+def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact", samples: int = 1,
+             judge_config=None, log: Callable[[str], None] | None = None, **generation) -> tuple[dict, list[Scored]]:
+    """Sample ``samples`` completions per task, score them; returns (summary, every scored completion).
+
+    pass@1 over several samples is the mean pass rate, the unbiased estimate.
+    """
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}")
+    if scorer == "judge" and judge_config is None:
+        raise ValueError("the judge scorer needs a judge: --judge-url, --judge-model and JUDGE_API_KEY")
+    if scorer == "tests":
+        missing = [t.task_id for t in tasks if t.test is None]
+        if missing:
+            raise ValueError(f"the tests scorer needs tasks with tests; {len(missing)} of {len(tasks)} have "
+                             f"none (e.g. {missing[0]}): use a dataset such as humaneval")
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    expanded = [t for t in tasks for _ in range(samples)]
+    done = [0]
+
+    def progress(n: int) -> None:
+        done[0] += n
+        say(f"eval: {done[0]}/{len(expanded)} completions")
+
+    seed = generation.pop("seed", 0)
+    completions = generate(model, tokenizer, expanded, seed=seed, progress=progress, **generation)
+    passed: list[bool | None] = [None] * len(expanded)
+    judged: list[tuple[float | None, str | None]] = [(None, None)] * len(expanded)
+    if scorer == "tests":
+        say(f"eval: running {len(expanded)} test programs in the sandbox")
+        passed = score_tests(expanded, completions)
+    elif scorer == "judge":
+        say(f"eval: asking the judge about {len(expanded)} completions")
+        judged = score_judge(judge_config, expanded, completions)
+    scored = [Scored(task_id=t.task_id, completion=c, reference=t.middle, solutions=t.solutions, passed=p,
+                     judge=j[0], judge_error=j[1])
+              for t, c, p, j in zip(expanded, completions, passed, judged)]
+    return summarize(scored), scored
+
+
+def scored_jsonl(scored: Sequence[Scored]) -> str:
+    import json
+
+    return "".join(json.dumps(asdict(s)) + "\n" for s in scored)

@@ -1,0 +1,129 @@
+"""Completion quality metrics. Pure functions, checkable by hand.
+
+* ``exact_match`` — the suggestion is the reference (trailing whitespace aside);
+* ``line_match`` — its first line is the reference's first line: what the
+  default simulated user accepts (the rest of the line the cursor is on);
+* ``edit_similarity`` — 1 − Levenshtein distance / length of the longer text;
+* ``is_empty`` — nothing worth showing (whitespace only);
+* pass@1 and judge scores come from the test scorer and the judge.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+def levenshtein(a: str, b: str) -> int:
+    """Edits (insert, delete, substitute one character) that turn ``a`` into ``b``."""
+    if len(a) < len(b):
+        a, b = b, a
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def edit_similarity(a: str, b: str) -> float:
+    """1 − levenshtein(a, b) / max(len(a), len(b)); two empty texts are identical (1.0)."""
+    longest = max(len(a), len(b))
+    return 1.0 if longest == 0 else 1.0 - levenshtein(a, b) / longest
+
+
+def first_line(text: str) -> str:
+    return text.split("\n", 1)[0]
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    return prediction.rstrip() == reference.rstrip()
+
+
+def line_match(prediction: str, reference: str) -> bool:
+    """The first lines agree and are not empty: the default user's reason to press Tab."""
+    want = first_line(reference).rstrip()
+    return bool(want) and first_line(prediction).rstrip() == want
+
+
+def is_empty(prediction: str) -> bool:
+    return not prediction.strip()
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One completion of one task, scored. ``passed``/``judge`` are None when that scorer did not run."""
+
+    task_id: str
+    completion: str
+    reference: str
+    solutions: tuple[str, ...] = ()
+    passed: bool | None = None
+    judge: float | None = None
+    judge_error: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return any_exact(self.completion, self.solutions or (self.reference,))
+
+    @property
+    def line(self) -> bool:
+        return line_match(self.completion, self.reference)
+
+    @property
+    def similarity(self) -> float:
+        return edit_similarity(first_line(self.completion).rstrip(), first_line(self.reference).rstrip())
+
+    @property
+    def empty(self) -> bool:
+        return is_empty(self.completion)
+
+
+def any_exact(prediction: str, references: Iterable[str]) -> bool:
+    return any(exact_match(prediction, r) for r in references)
+
+
+def summarize(scored: Sequence[Scored]) -> dict:
+    """Means over the scored completions; pass@1 and judge only over those that were scored so."""
+    n = len(scored)
+    tested = [s.passed for s in scored if s.passed is not None]
+    judged = [s.judge for s in scored if s.judge is not None]
+    return {
+        "n": n,
+        "exact_match": _mean([s.exact for s in scored]),
+        "line_match": _mean([s.line for s in scored]),
+        "edit_similarity": _mean([s.similarity for s in scored]),
+        "empty_share": _mean([s.empty for s in scored]),
+        "pass_at_1": _mean(tested) if tested else None,
+        "n_tested": len(tested),
+        "judge_score": _mean(judged) if judged else None,
+        "n_judged": len(judged),
+        "judge_errors": sum(1 for s in scored if s.judge_error is not None),
+    }
+
+
+def _mean(xs: Sequence[float | bool]) -> float | None:
+    return round(sum(float(x) for x in xs) / len(xs), 4) if xs else None
+
+
+def markdown_table(rows: Sequence[tuple[str, dict]]) -> str:
+    """A table with one row per (label, summary)."""
+    columns = [("n", "n"), ("exact_match", "exact"), ("line_match", "line"), ("edit_similarity", "edit sim"),
+               ("pass_at_1", "pass@1"), ("judge_score", "judge"), ("empty_share", "empty")]
+    head = "| run | " + " | ".join(title for _, title in columns) + " |"
+    rule = "|---|" + "|".join("---:" for _ in columns) + "|"
+    lines = [head, rule]
+    for label, summary in rows:
+        cells = [_cell(summary.get(key)) for key, _ in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
