@@ -1,0 +1,138 @@
+"""Simulated Continue users: their decisions and payloads (pure), then a run against a real front door and broker."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from infra.bus import ensure_topics
+from schemas.topics import COMPLETIONS, FEEDBACK
+from serving import feedback
+from serving.auth import KeyStore
+from streams.sandbox import run_tests
+from tests.conftest import make_settings
+from tests.serving_helpers import ThreadServer, find_events, unique
+from trainer.simulate import (CONTINUE_STOPS, EVENT_SOURCES, SimConfig, UserModel, api_payload, completion_body,
+                              data_event, fork_payload, sandbox_passes, shown_text, simulate, single_line_mode)
+from trainer.tasks import FimTask, build_source_tasks, humaneval_tasks
+
+TASK = FimTask("t", prefix="def area(w, h):\n    return w", suffix="\n\nprint(area(1, 2))\n", middle=" * h",
+               filepath="geo.py", repo="geo")
+
+
+def test_single_line_mode_and_what_is_shown():
+    assert single_line_mode("x = fo") and not single_line_mode("def f():\n    ")
+    assert shown_text(" * h\n\nprint(2)", single_line=True) == " * h"
+    assert shown_text("if x:\n    y()\n\n", single_line=False) == "if x:\n    y()"
+    assert shown_text("\nfoo", single_line=True) is None  # a newline first: nothing on this line
+    assert shown_text("  \n ", single_line=False) is None
+
+
+def test_exact_rule_is_the_rest_of_the_true_line():
+    user = UserModel()
+    assert user.accepts(TASK, " * h")
+    assert user.accepts(TASK, " * h   ")  # trailing whitespace is invisible
+    assert not user.accepts(TASK, " * h + 0") and not user.accepts(TASK, "* h")
+    multi = FimTask("m", "x = [", "\n", "1,\n    2]")
+    assert user.accepts(multi, "1,\n    3]"), "the first line decides"
+
+
+def test_similarity_rule_uses_the_threshold():
+    assert UserModel("similarity", 0.75).accepts(TASK, " * w")  # 3 of 4 characters right
+    assert not UserModel("similarity", 0.8).accepts(TASK, " * w")
+    with pytest.raises(ValueError, match="threshold"):
+        UserModel("similarity", 1.5)
+    with pytest.raises(ValueError, match="rule"):
+        UserModel("vibes")
+
+
+def test_tests_rule_runs_the_tasks_tests():
+    task = next(t for t in humaneval_tasks(mode="line") if t.middle.startswith("return "))
+    user = UserModel("tests")
+    assert user.accepts(task, task.middle, run_tests=sandbox_passes)
+    assert not user.accepts(task, "return None", run_tests=sandbox_passes)
+    with pytest.raises(ValueError, match="has none"):
+        user.accepts(TASK, " * h", run_tests=sandbox_passes)
+    assert run_tests  # the sandbox the rule runs in is the test scorer's
+
+
+def test_payloads_parse_into_the_events_the_front_door_makes():
+    prompt = TASK.fim_prompt(with_context=True)
+    fork = feedback.from_fork(fork_payload(TASK, prompt, " * h", True, client_id="c1", decision_ms=420,
+                                           unique_id="m1"), project_id="p", user_id="u").record
+    assert (fork["source"], fork["outcome"], fork["accepted_chars"], fork["time_to_decision_ms"]) == (
+        "continue-fork", "ACCEPTED", 4, 420)
+    assert fork["prompt_sha256"] == hashlib.sha256(prompt.encode()).hexdigest() and fork["filepath"] == "geo.py"
+    data = feedback.from_continue_data(data_event(TASK, prompt, " * w", False, client_id="c2", decision_ms=9000,
+                                                  unique_id="m1", user_id="u"), project_id="p", user_id="u").record
+    assert (data["source"], data["outcome"], data["client_completion_id"], data["completion"]) == (
+        "continue-data", "REJECTED", "c2", " * w")
+    api = feedback.from_api(api_payload("cmpl-1", " * h", True, decision_ms=300), project_id="p", user_id="u").record
+    assert (api["source"], api["completion_id"], api["outcome"], api["accepted_chars"]) == ("api", "cmpl-1",
+                                                                                           "ACCEPTED", 4)
+    rejected = feedback.from_api(api_payload("cmpl-2", "x", False, decision_ms=1), project_id="p", user_id="u")
+    assert rejected.record["outcome"] == "REJECTED" and rejected.record["completion"] is None
+
+
+def test_completion_body_is_continues():
+    body = completion_body("<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>", max_tokens=32, temperature=0.01)
+    assert body["stream"] is True and body["stop"] == list(CONTINUE_STOPS) and "suffix" not in body
+    assert "<|endoftext|>" in body["stop"] and "\n\n" in body["stop"]
+
+
+def test_bad_configs_are_named():
+    with pytest.raises(ValueError, match="routes"):
+        SimConfig(routes=("fork", "carrier-pigeon"))
+    with pytest.raises(ValueError, match="requests or a duration"):
+        SimConfig(requests=None)
+
+
+# -- against the real front door and broker ---------------------------------------------------------
+
+@pytest.mark.kafka
+def test_simulated_users_feedback_lands_on_kafka_as_reported(kafka, tiny_model, tmp_path):
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
+                             completions_port=0, feedback_port=0)
+    ensure_topics(settings)
+    project = unique("sim")
+    keys = KeyStore(settings.keys_file)
+    api_keys = [keys.add(project, f"user{i}") for i in range(6)]
+    tasks = build_source_tasks(split="train", max_files=20, per_file=2)
+    server = ThreadServer(settings)
+    try:
+        config = SimConfig(completions_url=server.completions_url, feedback_url=server.feedback_url, users=6,
+                           requests=30, rule="similarity", threshold=0.2, abandon_share=0.3, context_share=0.5,
+                           debounce_s=0.01, max_tokens=16, temperature=1.0, api_keys=api_keys, seed=1)
+        report = simulate(tasks, config, log=lambda _: None)
+    finally:
+        server.stop()
+    summary = report.summary()
+    assert summary["completed"] == 30 and summary["errors"] == 0 and summary["feedback_errors"] == 0
+    assert summary["abandoned"] > 0 and summary["requests"] == 30 + summary["abandoned"]
+    assert any(r.with_context for r in report.records) and any(not r.with_context for r in report.records)
+    reported = {r.feedback_event_id: r for r in report.records if r.feedback_event_id}
+    assert len(reported) == summary["shown"] == summary["feedback_sent"] > 0
+    assert {r.route for r in reported.values()} == {"fork", "data", "api"}
+
+    events = find_events(settings, FEEDBACK.name, lambda e: e.record["project_id"] == project, want=len(reported))
+    assert sorted(e.event_id for e in events) == sorted(reported)  # every report, once, and nothing else
+    for e in events:
+        r, rec = reported[e.event_id], e.record
+        assert rec["source"] == EVENT_SOURCES[r.route]
+        assert rec["outcome"] == ("ACCEPTED" if r.accepted else "REJECTED")
+        assert rec["user_id"] == f"user{r.user % 6}"
+        if r.route == "api":
+            assert rec["completion_id"] == r.completion_id
+        else:
+            assert rec["prompt_sha256"] == r.prompt_sha256 and rec["completion"] == r.shown
+            assert json.loads(rec["raw_payload"])  # the original payload kept for replay
+    served = find_events(settings, COMPLETIONS.name, lambda e: e.record["project_id"] == project,
+                         want=summary["requests"])
+    assert len(served) == summary["requests"]  # abandoned requests were served (and recorded) too
+    assert sum(e.record["aborted"] for e in served) >= summary["abandoned"]
+    by_id = {e.record["completion_id"]: e.record for e in served}
+    for r in report.records:
+        assert by_id[r.completion_id]["completion_text"].startswith(r.suggestion)
+        assert by_id[r.completion_id]["prompt_sha256"] == r.prompt_sha256
