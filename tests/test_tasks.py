@@ -217,3 +217,19 @@ def test_humaneval_canonical_span_passes_and_a_wrong_one_fails():
         assert not result.passed and result.outcome == "failed", t.task_id
     for t in spans:
         assert not run_tests(t.program("pass")).passed, t.task_id
+
+
+def test_tasks_build_cli_writes_loadable_jsonl(tmp_path):
+    from click.testing import CliRunner
+
+    from infra.cli import main
+
+    out = tmp_path / "he.jsonl"
+    result = CliRunner().invoke(main, ["tasks", "build", "humaneval", "--limit", "5", "--out", str(out)],
+                                env={"TABLOOP_STATE_DIR": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["tasks"] == 5
+    loaded = load_tasks(out)
+    assert len(loaded) == 5 and all(t.test and t.source == "humaneval" for t in loaded)
+    bad = CliRunner().invoke(main, ["tasks", "build", "nowhere.jsonl", "--out", str(out)])
+    assert bad.exit_code == 1 and "does not exist" in bad.output

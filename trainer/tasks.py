@@ -37,9 +37,10 @@ from serving.fim import FILE_SEP, REPO_NAME, build_fim_prompt, parse_prompt
 
 STDLIB_REPO = "cpython-stdlib"
 # Directories of the standard library that aren't ordinary code: test suites
-# (deliberately broken files, huge data tables), Python 2 era fixtures, the IDE.
+# (deliberately broken files, huge data tables), Python 2 era fixtures, the IDE,
+# generated tables.
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "lib2to3", "idlelib", "site-packages", "dist-packages",
-                 "__pycache__", "turtledemo", "ensurepip"}
+                 "__pycache__", "turtledemo", "ensurepip", "encodings"}  # encodings: generated codec tables
 SPLITS = ("train", "heldout", "all")
 
 

@@ -1,0 +1,110 @@
+"""Offline evaluation with the tiny model: generation, the three scorers, policies from directories, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from infra.cli import main
+from tests.test_judge import FakeJudgeAPI, Reply
+from trainer.evaluate import apply_weights, cut_completion, evaluate, generate, load_policy
+from trainer.models import build_tiny_model, load_model
+from trainer.tasks import FimTask, humaneval_tasks, save_tasks
+
+TASKS = [FimTask(f"t{i}", prefix=p, suffix=s, middle="x") for i, (p, s) in enumerate([
+    ("def add(a, b):\n    return a", "\n"),
+    ("import os\nprint(os.pa", ")\n"),
+    ("class A:\n    ", "\n"),
+])]
+
+
+def test_cut_completion_is_what_continue_inserts():
+    assert cut_completion(" + b\nprint(1)", "    return a") == " + b"  # the cursor follows text: one line
+    assert cut_completion("if x:\n    y()\n\nz", "def f():\n    ") == "if x:\n    y()"
+    assert cut_completion("abc<|endoftext|>junk", "x = ") == "abc"
+    assert cut_completion("   ", "x = ") == ""
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    return load_model(tiny_model)
+
+
+def test_generation_is_deterministic_and_scores_its_own_output(tiny):
+    model, tok = tiny
+    first = generate(model, tok, TASKS, max_new_tokens=12, batch_size=2)
+    assert first == generate(model, tok, TASKS, max_new_tokens=12, batch_size=3), "batching changes nothing"
+    assert all("\n" not in c for c, t in zip(first, TASKS) if t.prefix.rsplit("\n", 1)[-1].strip())
+    # Tasks whose reference is exactly what the model writes: exact match 1; others 0.
+    own = [FimTask(t.task_id, t.prefix, t.suffix, middle=c or "<nothing>") for t, c in zip(TASKS, first)]
+    summary, scored = evaluate(model, tok, own, max_new_tokens=12)
+    expected = sum(1 for c in first if c) / len(first)
+    assert summary["exact_match"] == pytest.approx(expected, abs=1e-4) and summary["n"] == 3
+    assert summary["empty_share"] == pytest.approx(sum(1 for c in first if not c) / 3, abs=1e-4)
+    assert [s.completion for s in scored] == first
+    sampled = generate(model, tok, TASKS, max_new_tokens=12, temperature=1.0, seed=5)
+    assert sampled == generate(model, tok, TASKS, max_new_tokens=12, temperature=1.0, seed=5)
+
+
+def test_tests_scorer_gives_pass_at_1(tiny):
+    model, tok = tiny
+    tasks = humaneval_tasks(mode="line")[:3]
+    summary, scored = evaluate(model, tok, tasks, scorer="tests", max_new_tokens=8)
+    assert summary["n_tested"] == 3 and all(s.passed is not None for s in scored)
+    assert summary["pass_at_1"] == pytest.approx(sum(s.passed for s in scored) / 3, abs=1e-4)
+    with pytest.raises(ValueError, match="needs tasks with tests"):
+        evaluate(model, tok, TASKS, scorer="tests")
+
+
+def test_judge_scorer_asks_an_openai_compatible_judge(tiny):
+    from streams.judge import JudgeConfig
+
+    model, tok = tiny
+    api = FakeJudgeAPI()
+    try:
+        api.script = [Reply("Fine.\nSCORE: 7"), Reply("Poor.\nSCORE: 3"), Reply(status=400)]
+        config = JudgeConfig(api_url=f"{api.url}/v1", api_key="k", model="judge", max_retries=0, max_concurrency=1)
+        summary, scored = evaluate(model, tok, TASKS, scorer="judge", judge_config=config, max_new_tokens=6)
+    finally:
+        api.stop()
+    assert len(api.requests) == 3
+    assert sorted(s.judge for s in scored if s.judge is not None) == [3.0, 7.0]
+    assert summary["judge_score"] == 5.0 and summary["n_judged"] == 2 and summary["judge_errors"] == 1
+    with pytest.raises(ValueError, match="needs a judge"):
+        evaluate(model, tok, TASKS, scorer="judge")
+
+
+def test_policy_from_a_weights_directory(tiny_model, tmp_path):
+    from tests.conftest import make_settings
+
+    other = build_tiny_model(tmp_path / "v1", seed=1)
+    settings = make_settings(tmp_path, model=tiny_model)
+    base, _, base_label = load_policy(settings)
+    policy, _, label = load_policy(settings, str(other))
+    assert base_label.endswith("(base)") and label == "v1 (full)"
+    b, p = base.state_dict(), policy.state_dict()
+    assert any(not (b[k] == p[k]).all() for k in b)
+    with pytest.raises(ValueError, match="unknown weight kind"):
+        apply_weights(base, str(other), "DIFF")
+    with pytest.raises(ValueError, match="version number or a weights directory"):
+        load_policy(settings, "latest")
+
+
+def test_eval_cli_prints_a_table_and_json(tiny_model, tmp_path):
+    data = tmp_path / "tasks.jsonl"
+    save_tasks(TASKS, data)
+    out = tmp_path / "result.json"
+    env = {"TABLOOP_STATE_DIR": str(tmp_path), "TABLOOP_MODEL": tiny_model}
+    result = CliRunner().invoke(main, ["eval", str(data), "--max-new-tokens", "6", "--out", str(out)], env=env)
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    last = json.loads(lines[-1])
+    assert last["n"] == 3 and last["scorer"] == "exact" and last["policy"] == "base"
+    assert any(line.startswith("| run |") for line in lines)
+    assert len(json.loads(out.read_text())["completions"]) == 3
+    bad = CliRunner().invoke(main, ["eval", str(tmp_path / "none.jsonl")], env=env)
+    assert bad.exit_code == 1 and "does not exist" in bad.output
+    judge = CliRunner().invoke(main, ["eval", str(data), "--scorer", "judge"], env=env)
+    assert judge.exit_code == 1 and "--judge-url" in judge.output
