@@ -108,3 +108,33 @@ def test_eval_cli_prints_a_table_and_json(tiny_model, tmp_path):
     assert bad.exit_code == 1 and "does not exist" in bad.output
     judge = CliRunner().invoke(main, ["eval", str(data), "--scorer", "judge"], env=env)
     assert judge.exit_code == 1 and "--judge-url" in judge.output
+
+
+@pytest.mark.kafka
+def test_policy_version_comes_from_the_weights_topic(kafka, tiny_model, tmp_path):
+    import shutil
+
+    from infra.bus import EventProducer, ensure_topics
+    from schemas.topics import WEIGHTS
+    from tests.conftest import make_settings
+    from tests.test_weight_swap import make_lora, weight_event
+
+    base = str(tmp_path / "base")
+    shutil.copytree(tiny_model, base)  # a base model of its own: the weights topic outlives this test
+    settings = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=base)
+    ensure_topics(settings)
+    lora = make_lora(base, tmp_path / "v2")
+    full = str(build_tiny_model(tmp_path / "v3", seed=3))
+    producer = EventProducer(settings)
+    for event in (weight_event(base, 2, f"file://{lora}", "LORA"), weight_event(base, 3, full, "FULL")):
+        producer.publish_acked(event, topic=WEIGHTS.name).result(30)
+    producer.close()
+
+    base_model = load_policy(settings)[0].state_dict()
+    v2, _, label2 = load_policy(settings, "2")
+    v3, _, label3 = load_policy(settings, "3")
+    assert (label2, label3) == ("v2", "v3")
+    for policy in (v2.state_dict(), v3.state_dict()):
+        assert set(policy) == set(base_model) and any(not (policy[k] == base_model[k]).all() for k in base_model)
+    with pytest.raises(ValueError, match="version 9 .* is not on tabloop.weights"):
+        load_policy(settings, "9")

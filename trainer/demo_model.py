@@ -116,7 +116,9 @@ def build_demo_model(out_dir: Path, config: DemoConfig = DemoConfig(), *, source
     # Only train-split files, so not even the vocabulary has seen a held-out file.
     train_files = [p for rel, p in source_files(sources) if split_of(rel) == "train"]
     tokenizer = build_tokenizer(work, vocab_size=config.vocab_size, sources=train_files)
-    tokenizer.model_max_length = max(4096, config.seq_len)  # as the model's positions
+    # What it was trained on: longer prompts are out of its depth, so evaluation (and a front
+    # door that honours it) trims them to this many tokens.
+    tokenizer.model_max_length = config.seq_len
     tokenizer.save_pretrained(work)
 
     say("demo model: cutting FIM examples from the train split")

@@ -271,6 +271,7 @@ class Simulation:
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._claimed = 0
         self._deadline: float | None = None
+        self._sandbox_lock = asyncio.Lock()
 
     def _claim(self) -> bool:
         if self._deadline is not None and time.monotonic() > self._deadline:
@@ -346,8 +347,11 @@ class Simulation:
             if record.shown is None:
                 continue  # nothing shown, nothing to report: Continue sends no event
             if c.rule == "tests":
-                record.accepted = await asyncio.to_thread(self.user_model.accepts, task, record.shown,
-                                                          run_tests=sandbox_passes)
+                # One sandbox run at a time: runs under one uid share its process limit and could signal
+                # each other (streams.sandbox), and they are CPU-bound anyway.
+                async with self._sandbox_lock:
+                    record.accepted = await asyncio.to_thread(self.user_model.accepts, task, record.shown,
+                                                              run_tests=sandbox_passes)
             else:
                 record.accepted = self.user_model.accepts(task, record.shown)
             record.accepted_chars = len(record.shown) if record.accepted else 0
