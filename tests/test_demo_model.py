@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import make_settings
-from trainer.demo_model import DemoConfig, build_demo_model, collate, fim_sequence, lr_at, new_model
+from trainer.demo_model import (DemoConfig, build_demo_model, collate, fim_sequence, lr_at, new_model,
+                                planned_steps)
 from trainer.models import MODEL_MARKER, load_model, resolve_model_spec
 
 SPECIAL = {"prefix": 3, "middle": 4, "suffix": 5}
@@ -45,6 +46,13 @@ def test_lr_schedule():
     assert lr_at(10, base=1.0, warmup=10, total=100) == pytest.approx(1.0)
     assert lr_at(55, base=1.0, warmup=10, total=100) == pytest.approx(0.55)
     assert lr_at(100, base=1.0, warmup=10, total=100) == pytest.approx(0.1)
+
+
+def test_planned_steps_fit_the_budget():
+    assert planned_steps(600, 5, elapsed_s=10.0, left_s=100.0) == 55  # 2 s a step: 50 more fit
+    assert planned_steps(600, 5, elapsed_s=1.0, left_s=1000.0) == 600  # all of them fit
+    assert planned_steps(600, 5, elapsed_s=10.0, left_s=0.0) == 6  # at least one more
+    assert planned_steps(600, 0, elapsed_s=0.0, left_s=10.0) == 600
 
 
 def test_config_errors_are_named():

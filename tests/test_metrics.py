@@ -35,12 +35,15 @@ def test_summarize_by_hand():
         Scored("t3", "", "return x", passed=False, judge=2.0),
         Scored("t4", "y", "x", solutions=("x", "y")),
     ]
+    one_line = Scored("t5", "a + b", "a + b\nreturn a", single_line=True)
+    assert one_line.exact and one_line.similarity == 1.0
+    assert not Scored("t6", "a + b", "a + b\nreturn a").exact
     s = summarize(scored)
     assert s["n"] == 4
     assert s["exact_match"] == 0.5  # t1, and t4 by its second solution
     assert s["line_match"] == 0.25  # t1 only (t4's reference line is "x")
-    # t1: 1; t2: "a + c" vs "a + b" = 0.8; t3: 0; t4: "y" vs "x" = 0
-    assert s["edit_similarity"] == pytest.approx((1 + 0.8 + 0 + 0) / 4, abs=1e-4)
+    # t1: 1; t2: "a + c\nmore" vs "a + b" = 1 - 6/10 (one change, five more characters); t3: 0; t4: 0
+    assert s["edit_similarity"] == pytest.approx((1 + 0.4 + 0 + 0) / 4, abs=1e-4)
     assert s["empty_share"] == 0.25
     assert s["pass_at_1"] == pytest.approx(1 / 3, abs=1e-4) and s["n_tested"] == 3
     assert s["judge_score"] == 5.0 and s["n_judged"] == 2 and s["judge_errors"] == 1

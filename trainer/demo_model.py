@@ -11,10 +11,12 @@ on FIM tasks from the train split of the standard library
 (``trainer.tasks.build_source_tasks``) — the same kind of cursor, inside a real
 line, that simulated users and evaluation use, but never on a held-out file.
 
-Training stops after ``steps`` optimizer steps or ``minutes`` of wall clock,
-whichever comes first. Given the same config and seed, a run that finishes its
-steps gives the same weights; one cut short by the clock says so in its marker
-file (``stopped_by: "budget"``), as its step count then depends on the machine.
+Training runs ``steps`` optimizer steps, or fewer when ``minutes`` of wall
+clock would not fit them: after a few steps it measures its pace and plans
+its length, so the learning-rate schedule ends within the budget (see
+``pretrain``). The marker file records the steps done and why it stopped
+(``steps``, ``planned``, ``budget``); the same seed and step count give the
+same weights.
 The result is cached: a directory whose marker records the same config is
 reused, not rebuilt.
 """
@@ -224,26 +226,57 @@ def lr_at(step: int, *, base: float, warmup: int, total: int) -> float:
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+CALIBRATION_STEPS = 5
+
+
+def planned_steps(wanted: int, done: int, elapsed_s: float, left_s: float) -> int:
+    """How many steps fit: ``wanted``, or fewer when the time per step so far says the budget runs out first.
+
+    Planning once, early, lets the learning-rate schedule decay to its end
+    within the budget instead of being cut off at full strength.
+    """
+    if done <= 0 or elapsed_s <= 0:
+        return wanted
+    return max(done + 1, min(wanted, done + int(left_s / (elapsed_s / done))))
+
+
 def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: DemoConfig, *, pad_id: int,
              progress: bool = True) -> tuple[list[float], str]:
-    """Next-token training on ``examples``; returns (loss per step, "steps" | "budget")."""
+    """Next-token training on ``examples``; returns (loss per step, why it stopped).
+
+    After ``CALIBRATION_STEPS`` steps the run plans its length: ``config.steps``,
+    or as many as the time budget allows at the pace so far ("planned"); the
+    schedule then runs over that many steps. The same seed and the same
+    planned length give the same weights: ``--steps N`` with a generous budget
+    reproduces a run that planned N. Should the pace drop later, the budget
+    still stops it ("budget").
+    """
     if not examples:
         raise ValueError("no examples to pretrain on")
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    deadline = time.monotonic() + config.minutes * 60
+    started = time.monotonic()
+    deadline = started + config.minutes * 60
     history: list[float] = []
     order = list(range(len(examples)))
     rng = random.Random(config.seed)
     cursor = len(order)
+    total = config.steps
     stopped_by = "steps"
-    bar = _Progress(config.steps, enabled=progress)
+    bar = _Progress(total, enabled=progress)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        for step in range(config.steps):
-            if time.monotonic() > deadline:
+        step = 0
+        while step < total:
+            now = time.monotonic()
+            if now > deadline:
                 stopped_by = "budget"
                 break
+            if step == CALIBRATION_STEPS:
+                total = planned_steps(config.steps, step, now - started, deadline - now)
+                if total < config.steps:
+                    stopped_by = "planned"
+                bar.total = total
             if cursor + config.batch_size > len(order):
                 rng.shuffle(order)
                 cursor = 0
@@ -251,14 +284,15 @@ def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: 
             cursor += config.batch_size
             ids, mask, labels = collate(batch, pad_id)
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, base=config.lr, warmup=config.warmup_steps, total=config.steps)
+                group["lr"] = lr_at(step, base=config.lr, warmup=config.warmup_steps, total=total)
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             history.append(loss.item())
-            bar.update(step + 1, f"loss {_mean(history[-20:]):.3f}")
+            step += 1
+            bar.update(step, f"loss {_mean(history[-20:]):.3f}")
     bar.close()
     model.eval()
     return history, stopped_by

@@ -221,8 +221,8 @@ def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact
     elif scorer == "judge":
         say(f"eval: asking the judge about {len(expanded)} completions")
         judged = score_judge(judge_config, expanded, completions)
-    scored = [Scored(task_id=t.task_id, completion=c, reference=t.middle, solutions=t.solutions, passed=p,
-                     judge=j[0], judge_error=j[1])
+    scored = [Scored(task_id=t.task_id, completion=c, reference=t.middle, solutions=t.solutions,
+                     single_line=single_line_mode(t.prefix), passed=p, judge=j[0], judge_error=j[1])
               for t, c, p, j in zip(expanded, completions, passed, judged)]
     return summarize(scored), scored
 

@@ -60,13 +60,18 @@ class Scored:
     completion: str
     reference: str
     solutions: tuple[str, ...] = ()
+    single_line: bool = False
+    """The editor shows one line here (the cursor follows text): only the references' first lines can match."""
     passed: bool | None = None
     judge: float | None = None
     judge_error: str | None = None
 
+    def _target(self, text: str) -> str:
+        return first_line(text) if self.single_line else text
+
     @property
     def exact(self) -> bool:
-        return any_exact(self.completion, self.solutions or (self.reference,))
+        return any_exact(self.completion, [self._target(r) for r in self.solutions or (self.reference,)])
 
     @property
     def line(self) -> bool:
@@ -74,7 +79,7 @@ class Scored:
 
     @property
     def similarity(self) -> float:
-        return edit_similarity(first_line(self.completion).rstrip(), first_line(self.reference).rstrip())
+        return edit_similarity(self.completion.rstrip(), self._target(self.reference).rstrip())
 
     @property
     def empty(self) -> bool:
