@@ -136,3 +136,33 @@ def test_simulated_users_feedback_lands_on_kafka_as_reported(kafka, tiny_model, 
     for r in report.records:
         assert by_id[r.completion_id]["completion_text"].startswith(r.suggestion)
         assert by_id[r.completion_id]["prompt_sha256"] == r.prompt_sha256
+
+
+@pytest.mark.kafka
+def test_simulate_cli_makes_keys_and_ends_with_json(kafka, tiny_model, tmp_path):
+    from click.testing import CliRunner
+
+    from infra.cli import main
+    from trainer.tasks import save_tasks
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
+                             completions_port=0, feedback_port=0)
+    ensure_topics(settings)
+    data = tmp_path / "tasks.jsonl"
+    save_tasks([TASK], data)
+    server = ThreadServer(settings)
+    project = unique("simcli")
+    try:
+        result = CliRunner().invoke(main, [
+            "simulate", str(data), "--users", "2", "--requests", "4", "--max-tokens", "4", "--project", project,
+            "--completions-url", server.completions_url, "--feedback-url", server.feedback_url],
+            env={"TABLOOP_STATE_DIR": str(tmp_path), "TABLOOP_KAFKA_BOOTSTRAP": kafka.settings.kafka_bootstrap})
+    finally:
+        server.stop()
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["completed"] == 4 and summary["errors"] == 0
+    assert {p.user_id for p in KeyStore(settings.keys_file).list() if p.project_id == project} == {"sim-0", "sim-1"}
+    served = find_events(settings, COMPLETIONS.name, lambda e: e.record["project_id"] == project,
+                         want=summary["requests"])
+    assert len(served) == summary["requests"]

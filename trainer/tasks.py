@@ -159,7 +159,7 @@ def task_from_record(record, *, where: str = "record", default_id: str = "task")
                                   f"{'nothing' if value is None else type(value).__name__}")
         return value
 
-    solutions = record.get("solutions")
+    solutions = record.get("solutions", record.get("solution"))  # "solution": a spelling some exports use
     if solutions is not None:
         if isinstance(solutions, str):
             solutions = [solutions]
