@@ -82,6 +82,28 @@ def test_completion_body_is_continues():
     assert "<|endoftext|>" in body["stop"] and "\n\n" in body["stop"]
 
 
+def test_summary_by_hand():
+    from trainer.simulate import RequestRecord, SimReport
+
+    def rec(shown, accepted, version, error=None):
+        return RequestRecord(user=0, task_id="t", route="api", completion_id="c", prompt_sha256="s",
+                             with_context=False, shown=shown, accepted=accepted,
+                             accepted_chars=len(shown) if accepted else 0, policy_version=version, error=error,
+                             feedback_event_id="e" if shown else None)
+
+    report = SimReport(records=[rec("abcd", True, 0), rec("xy", False, 0), rec(None, False, 0),
+                                rec("abcdef", True, 1), rec(None, False, 1), rec(None, False, None, error="boom")],
+                       abandoned=2, errors=1)
+    s = report.summary()
+    assert (s["requests"], s["completed"], s["shown"], s["accepted"], s["errors"]) == (8, 5, 3, 2, 1)
+    assert s["accept_rate_shown"] == pytest.approx(2 / 3, abs=1e-4) and s["shown_share"] == 0.6
+    assert s["accepted_chars_per_request"] == 2.0  # (4 + 6) / 5
+    v = report.by_version()
+    assert set(v) == {0, 1}
+    assert (v[0]["completed"], v[0]["shown"], v[0]["accept_rate_shown"], v[0]["shown_share"]) == (3, 2, 0.5, 0.6667)
+    assert (v[1]["accepted_chars_per_request"], v[1]["shown_share"]) == (3.0, 0.5)
+
+
 def test_bad_configs_are_named():
     with pytest.raises(ValueError, match="routes"):
         SimConfig(routes=("fork", "carrier-pigeon"))

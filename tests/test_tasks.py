@@ -10,7 +10,7 @@ import pytest
 
 from serving.fim import parse_prompt
 from streams.sandbox import run_tests
-from trainer.tasks import (FimTask, TaskFormatError, build_source_tasks, code_lines, continue_prompt,
+from trainer.tasks import (TaskFormatError, build_source_tasks, code_lines, continue_prompt,
                            humaneval_problems, humaneval_tasks, load_tasks, resolve_dataset, save_tasks, source_files,
                            split_of)
 

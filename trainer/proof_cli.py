@@ -125,6 +125,7 @@ def simulate(ctx: click.Context, dataset: str, users: int, n_requests: int, dura
     except ValueError as exc:
         raise _error(str(exc)) from None
     summary = report.summary()
+    summary["by_version"] = {str(v): part for v, part in report.by_version().items()}
     if records_file:
         Path(records_file).write_text(records_jsonl(report))
     click.echo(summary_rate(summary), err=True)

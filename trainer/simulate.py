@@ -215,6 +215,18 @@ class SimReport:
     feedback_errors: int = 0
     wall_s: float = 0.0
 
+    def by_version(self) -> dict[int, dict]:
+        """The summary of the requests each policy version served (abandoned ones aside)."""
+        versions = sorted({r.policy_version for r in self.records if r.policy_version is not None})
+        out = {}
+        for v in versions:
+            part = SimReport(records=[r for r in self.records if r.policy_version == v])
+            s = part.summary()
+            for k in ("requests", "abandoned", "errors", "feedback_errors", "wall_s", "policy_versions"):
+                s.pop(k)
+            out[v] = s
+        return out
+
     def summary(self) -> dict:
         done = [r for r in self.records if r.error is None]
         shown = [r for r in done if r.shown is not None]
