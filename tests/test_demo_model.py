@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import make_settings
-from trainer.demo_model import (DemoConfig, build_demo_model, collate, fim_sequence, lr_at, new_model,
-                                planned_steps)
+from trainer.demo_model import (DemoConfig, build_demo_model, collate, fim_sequence, lr_at_progress, new_model,
+                                training_progress)
 from trainer.models import MODEL_MARKER, load_model, resolve_model_spec
 
 SPECIAL = {"prefix": 3, "middle": 4, "suffix": 5}
@@ -40,19 +40,14 @@ def test_collate_masks_padding_out_of_the_loss():
     assert labels.tolist() == [[1, 2, 3], [4, -100, -100]]
 
 
-def test_lr_schedule():
-    assert lr_at(0, base=1.0, warmup=10, total=100) == pytest.approx(0.1)
-    assert lr_at(9, base=1.0, warmup=10, total=100) == pytest.approx(1.0)
-    assert lr_at(10, base=1.0, warmup=10, total=100) == pytest.approx(1.0)
-    assert lr_at(55, base=1.0, warmup=10, total=100) == pytest.approx(0.55)
-    assert lr_at(100, base=1.0, warmup=10, total=100) == pytest.approx(0.1)
-
-
-def test_planned_steps_fit_the_budget():
-    assert planned_steps(600, 5, elapsed_s=10.0, left_s=100.0) == 55  # 2 s a step: 50 more fit
-    assert planned_steps(600, 5, elapsed_s=1.0, left_s=1000.0) == 600  # all of them fit
-    assert planned_steps(600, 5, elapsed_s=10.0, left_s=0.0) == 6  # at least one more
-    assert planned_steps(600, 0, elapsed_s=0.0, left_s=10.0) == 600
+def test_lr_schedule_follows_steps_or_the_clock():
+    assert lr_at_progress(0, 0.0, base=1.0, warmup=10) == pytest.approx(0.1)
+    assert lr_at_progress(9, 0.5, base=1.0, warmup=10) == pytest.approx(1.0)  # still warming up
+    assert lr_at_progress(10, 0.0, base=1.0, warmup=10) == pytest.approx(1.0)
+    assert lr_at_progress(50, 0.5, base=1.0, warmup=10) == pytest.approx(0.55)
+    assert lr_at_progress(99, 1.0, base=1.0, warmup=10) == pytest.approx(0.1)
+    assert training_progress(30, 600, elapsed_s=60, budget_s=480) == pytest.approx(0.125)  # the clock leads
+    assert training_progress(300, 600, elapsed_s=60, budget_s=480) == pytest.approx(0.5)  # the steps lead
 
 
 def test_config_errors_are_named():

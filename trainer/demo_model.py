@@ -11,12 +11,12 @@ on FIM tasks from the train split of the standard library
 (``trainer.tasks.build_source_tasks``) — the same kind of cursor, inside a real
 line, that simulated users and evaluation use, but never on a held-out file.
 
-Training runs ``steps`` optimizer steps, or fewer when ``minutes`` of wall
-clock would not fit them: after a few steps it measures its pace and plans
-its length, so the learning-rate schedule ends within the budget (see
-``pretrain``). The marker file records the steps done and why it stopped
-(``steps``, ``planned``, ``budget``); the same seed and step count give the
-same weights.
+Training runs ``steps`` optimizer steps or ``minutes`` of wall clock,
+whichever ends first, and its learning-rate schedule follows whichever is
+further along, so it cools down before the end either way (see
+``pretrain``). The marker file records the steps done and why it stopped:
+a run that did all its steps (``stopped_by: "steps"``) is reproducible from
+its seed; one the clock stopped (``"budget"``) depends on the machine's pace.
 The result is cached: a directory whose marker records the same config is
 reused, not rebuilt.
 """
@@ -218,65 +218,53 @@ def collate(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, mask, labels
 
 
-def lr_at(step: int, *, base: float, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine down to a tenth of ``base`` at ``total``."""
+def training_progress(step: int, steps: int, elapsed_s: float, budget_s: float) -> float:
+    """How far along the run is, 0…1: by steps, or by the clock when the clock runs out first.
+
+    The learning-rate schedule follows it, so a run on a busy machine still
+    cools down before its budget ends instead of being cut off at full
+    strength. When the steps run out first (a machine fast enough), progress
+    is a function of the step alone and the run is reproducible from its seed.
+    """
+    return max(step / steps, elapsed_s / budget_s if budget_s > 0 else 1.0)
+
+
+def lr_at_progress(step: int, progress: float, *, base: float, warmup: int) -> float:
+    """Linear warm-up over the first ``warmup`` steps, then cosine down to a tenth of ``base`` at progress 1."""
     if step < warmup:
         return base * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-CALIBRATION_STEPS = 5
-
-
-def planned_steps(wanted: int, done: int, elapsed_s: float, left_s: float) -> int:
-    """How many steps fit: ``wanted``, or fewer when the time per step so far says the budget runs out first.
-
-    Planning once, early, lets the learning-rate schedule decay to its end
-    within the budget instead of being cut off at full strength.
-    """
-    if done <= 0 or elapsed_s <= 0:
-        return wanted
-    return max(done + 1, min(wanted, done + int(left_s / (elapsed_s / done))))
+    p = min(1.0, max(0.0, progress))
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: DemoConfig, *, pad_id: int,
              progress: bool = True) -> tuple[list[float], str]:
-    """Next-token training on ``examples``; returns (loss per step, why it stopped).
+    """Next-token training on ``examples``; returns (loss per step, "steps" | "budget").
 
-    After ``CALIBRATION_STEPS`` steps the run plans its length: ``config.steps``,
-    or as many as the time budget allows at the pace so far ("planned"); the
-    schedule then runs over that many steps. The same seed and the same
-    planned length give the same weights: ``--steps N`` with a generous budget
-    reproduces a run that planned N. Should the pace drop later, the budget
-    still stops it ("budget").
+    It runs ``config.steps`` steps or until ``config.minutes`` are up, with the
+    schedule following ``training_progress``: "steps" runs are reproducible
+    from the seed; "budget" runs depend on the machine's pace.
     """
     if not examples:
         raise ValueError("no examples to pretrain on")
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     started = time.monotonic()
-    deadline = started + config.minutes * 60
+    budget_s = config.minutes * 60
     history: list[float] = []
     order = list(range(len(examples)))
     rng = random.Random(config.seed)
     cursor = len(order)
-    total = config.steps
     stopped_by = "steps"
-    bar = _Progress(total, enabled=progress)
+    bar = _Progress(config.steps, enabled=progress)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        step = 0
-        while step < total:
-            now = time.monotonic()
-            if now > deadline:
+        for step in range(config.steps):
+            elapsed = time.monotonic() - started
+            if elapsed >= budget_s:
                 stopped_by = "budget"
                 break
-            if step == CALIBRATION_STEPS:
-                total = planned_steps(config.steps, step, now - started, deadline - now)
-                if total < config.steps:
-                    stopped_by = "planned"
-                bar.total = total
+            where = training_progress(step, config.steps, elapsed, budget_s)
             if cursor + config.batch_size > len(order):
                 rng.shuffle(order)
                 cursor = 0
@@ -284,15 +272,14 @@ def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: 
             cursor += config.batch_size
             ids, mask, labels = collate(batch, pad_id)
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, base=config.lr, warmup=config.warmup_steps, total=total)
+                group["lr"] = lr_at_progress(step, where, base=config.lr, warmup=config.warmup_steps)
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             history.append(loss.item())
-            step += 1
-            bar.update(step, f"loss {_mean(history[-20:]):.3f}")
+            bar.update(step + 1, f"loss {_mean(history[-20:]):.3f} ({100 * where:.0f}% of the run)")
     bar.close()
     model.eval()
     return history, stopped_by
