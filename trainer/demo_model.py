@@ -256,7 +256,7 @@ def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: 
     rng = random.Random(config.seed)
     cursor = len(order)
     stopped_by = "steps"
-    bar = _Progress(config.steps, enabled=progress)
+    bar = _Progress(config.steps, enabled=progress, budget_s=budget_s)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         for step in range(config.steps):
@@ -292,8 +292,8 @@ def _mean(xs: Sequence[float]) -> float:
 class _Progress:
     """A one-line progress bar on stderr (stdout stays for results)."""
 
-    def __init__(self, total: int, enabled: bool = True):
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, enabled: bool = True, budget_s: float | None = None):
+        self.total, self.enabled, self.budget_s = total, enabled, budget_s
         self.started = time.monotonic()
         self._last = 0.0
 
@@ -306,6 +306,8 @@ class _Progress:
         filled = int(width * done / max(1, self.total))
         elapsed = now - self.started
         eta = elapsed / done * (self.total - done) if done else 0
+        if self.budget_s is not None:
+            eta = min(eta, max(0.0, self.budget_s - elapsed))  # the clock may end the run first
         sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {note} "
                          f"{elapsed:.0f}s elapsed, ~{eta:.0f}s left ")
         sys.stderr.flush()
