@@ -24,7 +24,6 @@ reused, not rebuilt.
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
 import sys
@@ -229,12 +228,24 @@ def training_progress(step: int, steps: int, elapsed_s: float, budget_s: float) 
     return max(step / steps, elapsed_s / budget_s if budget_s > 0 else 1.0)
 
 
+COOLDOWN_SHARE = 0.2
+
+
 def lr_at_progress(step: int, progress: float, *, base: float, warmup: int) -> float:
-    """Linear warm-up over the first ``warmup`` steps, then cosine down to a tenth of ``base`` at progress 1."""
+    """Warm-up, stable, decay: linear warm-up over the first ``warmup`` steps, ``base`` until the last
+    ``COOLDOWN_SHARE`` of the run, then linearly down to a tenth of ``base`` at progress 1.
+
+    A short run on a busy machine is far from converged: it learns most at full
+    strength and needs only a short cool-down, not a cosine that spends half
+    the run at a low rate.
+    """
     if step < warmup:
         return base * (step + 1) / warmup
     p = min(1.0, max(0.0, progress))
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    start = 1.0 - COOLDOWN_SHARE
+    if p <= start:
+        return base
+    return base * (1.0 - 0.9 * (p - start) / COOLDOWN_SHARE)
 
 
 def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: DemoConfig, *, pad_id: int,
