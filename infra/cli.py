@@ -352,6 +352,11 @@ def up(ctx: click.Context) -> None:
     ctx.invoke(kafka_start)
     ctx.invoke(topics_create)
     s = _settings(ctx)
+    from trainer.models import resolve_model_spec
+
+    # TABLOOP_MODEL=demo: build the demo model here, with its progress bar, on first use (minutes),
+    # not inside `tabloop serve`, whose readiness wait would give up first.
+    resolve_model_spec(s)
     try:
         pid = start_serving(s)
     except LocalRunError as exc:
