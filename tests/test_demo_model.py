@@ -44,7 +44,9 @@ def test_lr_schedule_follows_steps_or_the_clock():
     assert lr_at_progress(0, 0.0, base=1.0, warmup=10) == pytest.approx(0.1)
     assert lr_at_progress(9, 0.5, base=1.0, warmup=10) == pytest.approx(1.0)  # still warming up
     assert lr_at_progress(10, 0.0, base=1.0, warmup=10) == pytest.approx(1.0)
-    assert lr_at_progress(50, 0.5, base=1.0, warmup=10) == pytest.approx(0.55)
+    assert lr_at_progress(50, 0.5, base=1.0, warmup=10) == pytest.approx(1.0)
+    assert lr_at_progress(80, 0.8, base=1.0, warmup=10) == pytest.approx(1.0)
+    assert lr_at_progress(90, 0.9, base=1.0, warmup=10) == pytest.approx(0.55)
     assert lr_at_progress(99, 1.0, base=1.0, warmup=10) == pytest.approx(0.1)
     assert training_progress(30, 600, elapsed_s=60, budget_s=480) == pytest.approx(0.125)  # the clock leads
     assert training_progress(300, 600, elapsed_s=60, budget_s=480) == pytest.approx(0.5)  # the steps lead

@@ -138,3 +138,22 @@ def test_policy_version_comes_from_the_weights_topic(kafka, tiny_model, tmp_path
         assert set(policy) == set(base_model) and any(not (policy[k] == base_model[k]).all() for k in base_model)
     with pytest.raises(ValueError, match="version 9 .* is not on tabloop.weights"):
         load_policy(settings, "9")
+
+
+def test_eval_cli_judge_from_settings(tiny_model, tmp_path):
+    data = tmp_path / "tasks.jsonl"
+    save_tasks(TASKS[:2], data)
+    api = FakeJudgeAPI()
+    try:
+        api.default = Reply("SCORE: 6.5")
+        env = {"TABLOOP_STATE_DIR": str(tmp_path), "TABLOOP_MODEL": tiny_model,
+               "TABLOOP_JUDGE_API_URL": f"{api.url}/v1", "TABLOOP_JUDGE_MODEL": "judge",
+               "TABLOOP_JUDGE_API_KEY": "sk-test"}
+        result = CliRunner().invoke(main, ["eval", str(data), "--scorer", "judge", "--max-new-tokens", "4"], env=env)
+    finally:
+        api.stop()
+    assert result.exit_code == 0, result.output
+    last = json.loads(result.output.strip().splitlines()[-1])
+    assert (last["judge_score"], last["n_judged"]) == (6.5, 2)
+    assert api.requests[0]["headers"]["authorization"] == "Bearer sk-test"
+    assert api.requests[0]["body"]["model"] == "judge"

@@ -24,7 +24,6 @@ reused, not rebuilt.
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
 import sys
@@ -229,12 +228,24 @@ def training_progress(step: int, steps: int, elapsed_s: float, budget_s: float) 
     return max(step / steps, elapsed_s / budget_s if budget_s > 0 else 1.0)
 
 
+COOLDOWN_SHARE = 0.2
+
+
 def lr_at_progress(step: int, progress: float, *, base: float, warmup: int) -> float:
-    """Linear warm-up over the first ``warmup`` steps, then cosine down to a tenth of ``base`` at progress 1."""
+    """Warm-up, stable, decay: linear warm-up over the first ``warmup`` steps, ``base`` until the last
+    ``COOLDOWN_SHARE`` of the run, then linearly down to a tenth of ``base`` at progress 1.
+
+    A short run on a busy machine is far from converged: it learns most at full
+    strength and needs only a short cool-down, not a cosine that spends half
+    the run at a low rate.
+    """
     if step < warmup:
         return base * (step + 1) / warmup
     p = min(1.0, max(0.0, progress))
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    start = 1.0 - COOLDOWN_SHARE
+    if p <= start:
+        return base
+    return base * (1.0 - 0.9 * (p - start) / COOLDOWN_SHARE)
 
 
 def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: DemoConfig, *, pad_id: int,
@@ -256,7 +267,7 @@ def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: 
     rng = random.Random(config.seed)
     cursor = len(order)
     stopped_by = "steps"
-    bar = _Progress(config.steps, enabled=progress)
+    bar = _Progress(config.steps, enabled=progress, budget_s=budget_s)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         for step in range(config.steps):
@@ -292,8 +303,8 @@ def _mean(xs: Sequence[float]) -> float:
 class _Progress:
     """A one-line progress bar on stderr (stdout stays for results)."""
 
-    def __init__(self, total: int, enabled: bool = True):
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, enabled: bool = True, budget_s: float | None = None):
+        self.total, self.enabled, self.budget_s = total, enabled, budget_s
         self.started = time.monotonic()
         self._last = 0.0
 
@@ -306,6 +317,8 @@ class _Progress:
         filled = int(width * done / max(1, self.total))
         elapsed = now - self.started
         eta = elapsed / done * (self.total - done) if done else 0
+        if self.budget_s is not None:
+            eta = min(eta, max(0.0, self.budget_s - elapsed))  # the clock may end the run first
         sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {note} "
                          f"{elapsed:.0f}s elapsed, ~{eta:.0f}s left ")
         sys.stderr.flush()

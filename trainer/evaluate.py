@@ -197,7 +197,7 @@ def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact
     if scorer not in SCORERS:
         raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}")
     if scorer == "judge" and judge_config is None:
-        raise ValueError("the judge scorer needs a judge: --judge-url, --judge-model and JUDGE_API_KEY")
+        raise ValueError("the judge scorer needs a judge (a streams.judge.JudgeConfig)")
     if scorer == "tests":
         missing = [t.task_id for t in tasks if t.test is None]
         if missing:

@@ -155,16 +155,16 @@ simulate.help = (simulate.help or "") + DATASET_HELP + "."
               help="Prompt budget (default: TABLOOP_MAX_PROMPT_TOKENS, at most the tokenizer's length).")
 @click.option("--context/--no-context", default=False, help="Prompts with repo/file context where tasks have it.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--judge-url", default=None, help="OpenAI-compatible base URL of the judge (scorer judge).")
-@click.option("--judge-model", default=None)
-@click.option("--judge-api-key", envvar="JUDGE_API_KEY", default="", show_envvar=True)
+@click.option("--judge-url", default=None,
+              help="OpenAI-compatible base URL of the judge (default: TABLOOP_JUDGE_API_URL / LLMASJUDGE_API_URL).")
+@click.option("--judge-model", default=None, help="Default: TABLOOP_JUDGE_MODEL / LLMASJUDGE_MODEL.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
               help="Also write the summary and every scored completion here (JSON).")
 @click.pass_context
 def eval_command(ctx: click.Context, dataset: str, scorer: str, policy: str | None, model_spec: str | None,
                  limit: int | None, samples: int, temperature: float, max_new_tokens: int, batch_size: int,
                  max_prompt_tokens: int | None, context: bool, seed: int, judge_url: str | None,
-                 judge_model: str | None, judge_api_key: str, out_file: str | None) -> None:
+                 judge_model: str | None, out_file: str | None) -> None:
     """Score a policy's completions of DATASET: exact match, line match, edit similarity, pass@1 (tests),
     judge score, share of empty suggestions. Prints a markdown table, then the JSON summary as the last line."""
     from dataclasses import asdict
@@ -178,10 +178,13 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, policy: str | No
     if scorer == "judge":
         from streams.judge import JudgeConfig
 
+        judge_url, judge_model = judge_url or s.judge_api_url, judge_model or s.judge_model
         if not judge_url or not judge_model:
-            raise _error("--scorer judge needs --judge-url and --judge-model (and JUDGE_API_KEY)")
+            raise _error("--scorer judge needs a judge: --judge-url and --judge-model, or TABLOOP_JUDGE_API_URL "
+                         "and TABLOOP_JUDGE_MODEL (the key in TABLOOP_JUDGE_API_KEY)")
         try:
-            judge_config = JudgeConfig(api_url=judge_url, api_key=judge_api_key, model=judge_model)
+            judge_config = JudgeConfig(api_url=judge_url, api_key=s.judge_api_key, model=judge_model,
+                                       timeout_s=s.judge_timeout_s, max_concurrency=s.judge_max_concurrency)
         except ValueError as exc:
             raise _error(str(exc)) from None
     task_list = _tasks(dataset, seed=seed, limit=limit)
