@@ -541,7 +541,7 @@ def bench_pipeline(ctx: click.Context, n: int, rate: int, seconds: float, guaran
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
 @click.pass_context
 def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens: int, rounds: int) -> None:
-    """Streaming latency and TTFT through the front door vs the bare engine (TABLOOP_MODEL; demo = tiny)."""
+    """Streaming latency and TTFT through the front door vs the bare engine (TABLOOP_MODEL; for a quick run point it at `tabloop model tiny --out DIR`)."""
     from infra.bench import bench_serving as run
 
     run(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
