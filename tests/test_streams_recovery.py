@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import types
 
 import pytest
@@ -46,7 +47,11 @@ def test_highwaters_of_unfetched_changelog_partitions_are_known_under_exactly_on
             with contextlib.suppress(asyncio.CancelledError):  # aiokafka's coordinator close, on an idle consumer
                 await consumer.stop()
 
-    ours = asyncio.run(highwaters(ListedHighwatersThread._highwaters))
+    # The commit markers are written just after commit_transaction returns: the LSO gets to 6 a moment later.
+    deadline = time.monotonic() + 20
+    while (ours := asyncio.run(highwaters(ListedHighwatersThread._highwaters))) != {TopicPartition(topic, 0): 6} \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
     stock = asyncio.run(highwaters(AIOKafkaConsumerThread._highwaters))
     assert list(ours.values()) == [6]
     assert list(stock.values()) in ([None], [-1])  # what made Faust skip the restore
