@@ -150,22 +150,23 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 class Probes:
-    """Readiness and lag, read from the components' own surfaces and from Kafka."""
+    """Readiness and lag, read from the components' own surfaces and from Kafka.
+
+    The Kafka questions (a group's members, its lag) are coordinator requests of librdkafka's admin
+    client, and librdkafka aborts the whole process when the broker goes away in the middle of one
+    (``rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt > 0' failed``, librdkafka
+    #4605/#3663). In the supervisor that abort took every component down with it during a Kafka
+    outage, so they are asked in a process of their own (``KafkaProbeProcess``); when it dies the
+    answer is "unknown" and the next question starts a new one.
+    """
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self._admin = None
+        self.kafka = KafkaProbeProcess(settings)
 
     @property
     def ready_url(self) -> str:
         return f"http://{self.settings.serve_host}:{self.settings.completions_port}/readyz"
-
-    def admin(self):
-        if self._admin is None:
-            from infra.bus import admin_client
-
-            self._admin = admin_client(self.settings)
-        return self._admin
 
     def front_door(self) -> dict | None:
         """The front door's /readyz body when it answers 200, else None."""
@@ -177,13 +178,8 @@ class Probes:
 
     def group_members(self, group: str) -> tuple[bool, set[str]]:
         """(Stable?, member ids) of a consumer group; (False, empty) when Kafka does not say."""
-        from confluent_kafka import ConsumerGroupState
-
-        try:
-            desc = self.admin().describe_consumer_groups([group], request_timeout=3)[group].result(timeout=5)
-        except Exception:  # broker down, group unknown
-            return False, set()
-        return desc.state == ConsumerGroupState.STABLE, {m.member_id for m in desc.members}
+        answer = self.kafka.ask("group_members", group)
+        return answer if answer is not None else (False, set())
 
     def group_ready(self, group: str, members_before: set[str]) -> bool:
         """Stable, with a member that joined after ``members_before`` was taken: a restarted worker is ready
@@ -193,31 +189,118 @@ class Probes:
 
     def lag(self, group: str) -> int | None:
         """Events of the event log (the catalog's topics) the group has not committed yet; None when it has
-        committed nothing there (or Kafka does not answer). A worker's internal topics are left out: Faust
-        commits just before a transaction's commit marker, so an idle worker would show one per partition."""
-        from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel
-        from confluent_kafka.admin import OffsetSpec
+        committed nothing there (or Kafka does not answer)."""
+        return self.kafka.ask("lag", group)
 
-        try:
-            admin = self.admin()
-            committed = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
-                                                          request_timeout=3)[group].result(timeout=5)
-            from schemas.topics import CATALOG
+    def close(self) -> None:
+        self.kafka.close()
 
-            event_log = {t.name for t in CATALOG}
-            parts = [tp for tp in committed.topic_partitions if tp.offset >= 0 and tp.topic in event_log]
-            if not parts:
+
+class KafkaProbeProcess:
+    """Admin requests to Kafka, answered by a child process (see ``Probes`` for why).
+
+    ``ask`` returns None when the child died (it is started again at the next question) or did not
+    answer within ``timeout_s``; the child exits when its pipe closes, so it never outlives us."""
+
+    def __init__(self, settings: Settings, timeout_s: float = 15.0):
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self.restarts = 0
+        self._proc = None
+        self._conn = None
+        self._lock = threading.Lock()
+
+    def ask(self, question: str, *args):
+        with self._lock:
+            try:
+                if self._proc is None or not self._proc.is_alive():
+                    self._start()
+                self._conn.send((question, args))
+                if not self._conn.poll(self.timeout_s):
+                    raise TimeoutError(f"no answer to {question} within {self.timeout_s:.0f}s")
+                return self._conn.recv()
+            except (EOFError, OSError, TimeoutError):
+                self._discard()
                 return None
-            # read_committed: the end a transactional reader can reach (Faust writes in transactions).
-            ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts},
-                                      isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=3)
-            total = 0
-            for tp in parts:
-                end = next(f for k, f in ends.items() if (k.topic, k.partition) == (tp.topic, tp.partition))
-                total += max(0, end.result(timeout=5).offset - tp.offset)
-            return total
-        except Exception:
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        if self._proc is not None:
+            self.restarts += 1
+        self._discard()
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or locks copied
+        ours, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=_answer_kafka_probes, args=(theirs, self.settings), daemon=True,
+                                 name="tabloop-kafka-probes")
+        self._proc.start()
+        theirs.close()
+        self._conn = ours
+
+    def _discard(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(5)
+            self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._discard()
+
+
+def _answer_kafka_probes(conn, settings: Settings) -> None:
+    """The probe process: answer questions until the pipe closes."""
+    from infra.bus import admin_client
+
+    admin = admin_client(settings)
+    questions = {"group_members": _group_members, "lag": _group_lag}
+    while True:
+        try:
+            question, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send(questions[question](admin, *args))
+
+
+def _group_members(admin, group: str) -> tuple[bool, set[str]]:
+    from confluent_kafka import ConsumerGroupState
+
+    try:
+        desc = admin.describe_consumer_groups([group], request_timeout=3)[group].result(timeout=5)
+    except Exception:  # broker down, group unknown
+        return False, set()
+    return desc.state == ConsumerGroupState.STABLE, {m.member_id for m in desc.members}
+
+
+def _group_lag(admin, group: str) -> int | None:
+    """A worker's internal topics are left out: Faust commits just before a transaction's commit marker,
+    so an idle worker would show one per partition."""
+    from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel
+    from confluent_kafka.admin import OffsetSpec
+
+    from schemas.topics import CATALOG
+
+    try:
+        committed = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
+                                                      request_timeout=3)[group].result(timeout=5)
+        event_log = {t.name for t in CATALOG}
+        parts = [tp for tp in committed.topic_partitions if tp.offset >= 0 and tp.topic in event_log]
+        if not parts:
             return None
+        # read_committed: the end a transactional reader can reach (Faust writes in transactions).
+        ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts},
+                                  isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=3)
+        total = 0
+        for tp in parts:
+            end = next(f for k, f in ends.items() if (k.topic, k.partition) == (tp.topic, tp.partition))
+            total += max(0, end.result(timeout=5).offset - tp.offset)
+        return total
+    except Exception:
+        return None
 
 
 # -- the supervisor ------------------------------------------------------------------------------
@@ -317,6 +400,7 @@ class Supervisor:
             for child in reversed(self.children):
                 self._stop_child(child)
             self._write_status()
+            self.probes.close()
             (self.run_dir / PID_FILE).unlink(missing_ok=True)
             self.say("supervisor", "stopped")
 
@@ -556,14 +640,17 @@ def live_status(settings: Settings) -> dict:
     pid = supervisor_pid(settings)
     status = read_status(settings) if pid else None
     probes = Probes(settings)
-    for row in (status or {}).get("components", []):
-        row = dict(row)
-        row["policy_version"] = None
-        if row["component"] == "serve" and row["pid"]:
-            body = probes.front_door()
-            row["policy_version"] = body.get("policy_version") if body else None
-        row["lag"] = probes.lag(row["group"]) if row.get("group") and answering and row["pid"] else None
-        rows.append(row)
+    try:
+        for row in (status or {}).get("components", []):
+            row = dict(row)
+            row["policy_version"] = None
+            if row["component"] == "serve" and row["pid"]:
+                body = probes.front_door()
+                row["policy_version"] = body.get("policy_version") if body else None
+            row["lag"] = probes.lag(row["group"]) if row.get("group") and answering and row["pid"] else None
+            rows.append(row)
+    finally:
+        probes.close()
     healthy = answering and status is not None and all(
         r["healthy"] for r in rows if r["state"] != "not installed")
     return {"supervisor_pid": pid, "running": pid is not None, "healthy": healthy,

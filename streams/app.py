@@ -28,6 +28,8 @@ import faust
 from confluent_kafka import Producer
 from faust import current_event
 from faust.transport.consumer import TransactionManager
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 
 from infra.bus import ensure_topics, make_codec
 from infra.settings import Settings
@@ -89,10 +91,31 @@ class SourceBoundTransactions(TransactionManager):
             return await super().commit(offsets, start_new_transaction=start_new_transaction)
 
 
+class ListedHighwatersThread(AIOKafkaConsumerThread):
+    """Highwaters asked of the broker (ListOffsets), never read off the last fetch.
+
+    Under exactly-once, Faust takes a partition's highwater from aiokafka's ``last_stable_offset``,
+    which only a fetch response fills in: for a changelog partition not fetched yet it is unknown,
+    Faust counts that as empty and skips the restore. A worker started right after a Kafka restart
+    did exactly that, began with empty tables and joined feedback it had already joined into a
+    second episode. ListOffsets with the consumer's isolation level (read_committed) answers the
+    last stable offset at once.
+    """
+
+    async def _highwaters(self, partitions):
+        return await self._ensure_consumer().end_offsets(partitions)
+
+
+class ListedHighwatersConsumer(AIOKafkaConsumer):
+    def _new_consumer_thread(self) -> ListedHighwatersThread:
+        return ListedHighwatersThread(self, loop=self.loop, beacon=self.beacon)
+
+
 class StreamsApp(faust.App):
     def _new_transport(self):
         transport = super()._new_transport()
         transport.TransactionManager = SourceBoundTransactions
+        transport.Consumer = ListedHighwatersConsumer
         return transport
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 
 import pytest
 
@@ -137,6 +138,12 @@ def test_simulated_users_feedback_lands_on_kafka_as_reported(kafka, tiny_model, 
     reported = {r.feedback_event_id: r for r in report.records if r.feedback_event_id}
     assert len(reported) == summary["shown"] == summary["feedback_sent"] > 0
     assert {r.route for r in reported.values()} == {"fork", "data", "api"}
+    # Every HTTP call is on record with its answer: completions (abandoned ones too) and feedback.
+    kinds = Counter((c.kind, c.status) for c in report.calls)
+    assert kinds == {("completion", 200): 30, ("abandoned", 200): summary["abandoned"],
+                     ("feedback", 202): len(reported)}
+    assert all(c.started_at <= c.ended_at for c in report.calls)
+    assert all(r.feedback_status == 202 for r in reported.values())
 
     events = find_events(settings, FEEDBACK.name, lambda e: e.record["project_id"] == project, want=len(reported))
     assert sorted(e.event_id for e in events) == sorted(reported)  # every report, once, and nothing else

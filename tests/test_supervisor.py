@@ -10,9 +10,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +21,11 @@ from infra.kafka_broker import free_port
 from schemas.topics import EPISODES
 from tests.conftest import TEST_PARTITIONS, make_settings
 from tests.serving_helpers import find_events
+from tests.system_helpers import cli as _cli
+from tests.system_helpers import processes_of as _processes_of
+from tests.system_helpers import row as _row
+from tests.system_helpers import status as _status
+from tests.system_helpers import wait as _wait
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,53 +104,42 @@ def test_children_are_logged_prefixed_restarted_with_back_off_and_stopped(kafka,
     assert "Kafka " in (tmp_path / "logs" / "quitter.log").read_text()
 
 
+@pytest.mark.kafka
+def test_kafka_probes_run_in_a_process_whose_death_the_caller_survives(kafka, tmp_path):
+    """librdkafka aborts the process when the broker goes away during a coordinator request; the supervisor
+    asks in a child process instead, so an abort there (here: SIGABRT, and a child that hangs) costs one answer."""
+    from confluent_kafka import Consumer
+
+    from infra.bus import ensure_topics
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    ensure_topics(settings)
+    group = f"probe-{os.getpid()}-{tmp_path.name}"
+    consumer = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": group})
+    consumer.subscribe([EPISODES.name])
+    probes = sv.Probes(settings)
+    try:
+        stable, members = _wait(lambda: (a := probes.group_members(group))[0] and a, 60, "the group to be stable")
+        assert len(members) == 1
+        first = probes.kafka._proc.pid
+        os.kill(first, signal.SIGABRT)  # what the librdkafka assertion does
+        _wait(lambda: not sv._alive(first), 10, "the probe process to die")
+        assert probes.group_members(group) == (True, members)  # a new probe process answered
+        assert probes.kafka.restarts == 1 and probes.kafka._proc.pid != first
+    finally:
+        consumer.close()
+        probes.close()
+    # Nobody answers on this port: no answer in time is "unknown", and the hung child is ended.
+    dead = sv.Probes(make_settings(tmp_path, kafka_bootstrap=f"127.0.0.1:{free_port()}"))
+    dead.kafka.timeout_s = 1.0
+    try:
+        assert dead.lag("any") is None and dead.group_members("any") == (False, set())
+        assert dead.kafka._proc is None  # discarded, not left behind
+    finally:
+        dead.close()
+
+
 # -- the whole system, as `make up` runs it -------------------------------------------------------
-
-
-def _env(settings) -> dict:
-    from infra.settings import to_environ
-
-    return {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "PYTHONPATH": str(ROOT),
-            **to_environ(settings)}
-
-
-def _cli(settings, *args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "infra.cli", *args], env=_env(settings), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def _status(settings) -> dict:
-    return json.loads(_cli(settings, "status", "--json").stdout)
-
-
-def _row(status: dict, name: str) -> dict:
-    return next(r for r in status["components"] if r["component"] == name)
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _processes_of(state_dir: Path) -> list[int]:
-    """Every process whose environment or command line names this state dir."""
-    found = []
-    needle = str(state_dir).encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes() or needle in (entry / "cmdline").read_bytes():
-                if (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 @pytest.mark.drill

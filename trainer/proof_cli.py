@@ -91,16 +91,19 @@ tasks_build.help = f"Write DATASET's tasks as prefix/suffix/middle JSONL. DATASE
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use at most this many tasks.")
 @click.option("--records", "records_file", type=click.Path(dir_okay=False), default=None,
               help="Write one JSON line per request here.")
+@click.option("--calls", "calls_file", type=click.Path(dir_okay=False), default=None,
+              help="Write one JSON line per HTTP call here (kind, start/end time, status), abandoned and "
+                   "feedback calls included.")
 @click.pass_context
 def simulate(ctx: click.Context, dataset: str, users: int, n_requests: int, duration_s: float | None, rule: str,
              threshold: float, routes: str, context_share: float, abandon_share: float, debounce_ms: int,
              max_tokens: int, temperature: float, seed: int, completions_url: str | None,
              feedback_url: str | None, api_keys: tuple[str, ...], project: str, limit: int | None,
-             records_file: str | None) -> None:
+             records_file: str | None, calls_file: str | None) -> None:
     """Many simulated Continue users against the front door; last line: a JSON summary.
 
     DATASET (default stdlib:train): """
-    from trainer.simulate import SimConfig, records_jsonl
+    from trainer.simulate import SimConfig, calls_jsonl, records_jsonl
     from trainer.simulate import simulate as run
     from trainer.simulate import summary_rate
 
@@ -128,6 +131,8 @@ def simulate(ctx: click.Context, dataset: str, users: int, n_requests: int, dura
     summary["by_version"] = {str(v): part for v, part in report.by_version().items()}
     if records_file:
         Path(records_file).write_text(records_jsonl(report))
+    if calls_file:
+        Path(calls_file).write_text(calls_jsonl(report))
     click.echo(summary_rate(summary), err=True)
     click.echo(json.dumps(summary))
 

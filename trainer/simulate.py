@@ -205,6 +205,19 @@ class RequestRecord:
     error: str | None = None
     latency_ms: float = 0.0
     ttft_ms: float | None = None
+    feedback_status: int | None = None
+    """The feedback route's HTTP status (None: not sent, or no answer)."""
+
+
+@dataclass
+class HttpCall:
+    """One HTTP request the simulator made, for checks that need every answer (fault drills)."""
+
+    kind: str  # completion | abandoned | feedback
+    started_at: float  # wall-clock seconds
+    ended_at: float
+    status: int | None  # None: no answer (refused, reset, timed out)
+    error: str | None = None
 
 
 @dataclass
@@ -214,6 +227,7 @@ class SimReport:
     errors: int = 0
     feedback_errors: int = 0
     wall_s: float = 0.0
+    calls: list[HttpCall] = field(default_factory=list)
 
     def by_version(self) -> dict[int, dict]:
         """The summary of the requests each policy version served (abandoned ones aside)."""
@@ -386,13 +400,17 @@ class Simulation:
                 self.report.feedback_errors += 1
                 return
             body = api_payload(record.completion_id, record.shown, record.accepted, decision_ms=decision_ms)
+        started = time.time()
         try:
             resp = await http.post(f"{self.config.feedback_url}{FEEDBACK_PATHS[route]}", json=body,
                                    headers={**self._headers(user), "Content-Type": "application/json"})
         except httpx.HTTPError as exc:
+            self.report.calls.append(HttpCall("feedback", started, time.time(), None, type(exc).__name__))
             self.report.feedback_errors += 1
             self.log(f"simulate: feedback via {route} failed: {type(exc).__name__}: {exc}")
             return
+        self.report.calls.append(HttpCall("feedback", started, time.time(), resp.status_code))
+        record.feedback_status = resp.status_code
         if resp.status_code != 202:
             self.report.feedback_errors += 1
             self.log(f"simulate: feedback via {route} got HTTP {resp.status_code}: {resp.text[:200]}")
@@ -405,8 +423,21 @@ class Simulation:
         out = _Stream()
         body = completion_body(prompt, max_tokens=c.max_tokens, temperature=c.temperature)
         started = time.monotonic()
-        async with http.stream("POST", f"{c.completions_url}/v1/completions", json=body,
+        call = HttpCall("abandoned" if abandon else "completion", time.time(), 0.0, None)
+        self.report.calls.append(call)
+        try:
+            return await self._read_stream(http, user, body, out, started, call, abandon, stop_at_newline)
+        except httpx.HTTPError as exc:
+            call.error = type(exc).__name__
+            raise
+        finally:
+            call.ended_at = time.time()
+
+    async def _read_stream(self, http: httpx.AsyncClient, user: int, body: dict, out: _Stream, started: float,
+                           call: HttpCall, abandon: bool, stop_at_newline: bool) -> _Stream:
+        async with http.stream("POST", f"{self.config.completions_url}/v1/completions", json=body,
                                headers=self._headers(user)) as resp:
+            call.status = resp.status_code
             if resp.status_code != 200:
                 await resp.aread()
                 raise _HTTPStatus(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -445,6 +476,10 @@ def simulate(tasks: Sequence[FimTask], config: SimConfig, **kwargs) -> SimReport
 
 def records_jsonl(report: SimReport) -> str:
     return "".join(json.dumps(asdict(r)) + "\n" for r in report.records)
+
+
+def calls_jsonl(report: SimReport) -> str:
+    return "".join(json.dumps(asdict(c)) + "\n" for c in report.calls)
 
 
 def summary_rate(summary: dict) -> str:

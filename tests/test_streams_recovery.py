@@ -1,0 +1,59 @@
+"""The streams worker restores its tables after a Kafka restart: changelog highwaters are asked of the broker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import types
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from confluent_kafka import Producer
+from confluent_kafka.admin import NewTopic
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+
+from infra.bus import admin_client, ensure_topics
+from streams.app import ListedHighwatersThread, build_app
+from tests.conftest import make_settings
+from tests.serving_helpers import unique
+
+
+@pytest.mark.kafka
+def test_highwaters_of_unfetched_changelog_partitions_are_known_under_exactly_once(kafka, tmp_path):
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    ensure_topics(settings)
+    topic = unique("changelog")
+    admin = admin_client(settings)
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+    producer = Producer({"bootstrap.servers": settings.kafka_bootstrap, "transactional.id": unique("tx")})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for i in range(5):
+        producer.produce(topic, key=b"k%d" % i, value=b"v", partition=0)
+    producer.commit_transaction(30)  # 5 records + the commit marker: the last stable offset is 6
+
+    async def highwaters(method) -> dict:
+        consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, isolation_level="read_committed",
+                                    enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tp = TopicPartition(topic, 0)
+            consumer.assign([tp])  # assigned, nothing fetched yet: how a worker's recovery starts
+            thread = types.SimpleNamespace(consumer=types.SimpleNamespace(in_transaction=True),
+                                           _ensure_consumer=lambda: consumer)
+            return await method(thread, [tp])
+        finally:
+            with contextlib.suppress(asyncio.CancelledError):  # aiokafka's coordinator close, on an idle consumer
+                await consumer.stop()
+
+    # The commit markers are written just after commit_transaction returns: the LSO gets to 6 a moment later.
+    deadline = time.monotonic() + 20
+    while (ours := asyncio.run(highwaters(ListedHighwatersThread._highwaters))) != {TopicPartition(topic, 0): 6} \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stock = asyncio.run(highwaters(AIOKafkaConsumerThread._highwaters))
+    assert list(ours.values()) == [6]
+    assert list(stock.values()) in ([None], [-1])  # what made Faust skip the restore
+    app = build_app(settings)
+    assert isinstance(app.consumer._thread, ListedHighwatersThread)  # the worker's consumer uses ours
