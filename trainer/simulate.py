@@ -205,6 +205,10 @@ class RequestRecord:
     error: str | None = None
     latency_ms: float = 0.0
     ttft_ms: float | None = None
+    sent_at: float | None = None
+    """Wall-clock time (epoch seconds) the completion request went out."""
+    feedback_sent_at: float | None = None
+    """Wall-clock time the feedback went out (None: none sent)."""
 
 
 @dataclass
@@ -347,6 +351,7 @@ class Simulation:
                                    prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(),
                                    with_context=with_context)
             self.report.records.append(record)
+            record.sent_at = time.time()
             try:
                 s = await self._stream(http, user, prompt, stop_at_newline=single_line_mode(task.prefix))
             except (httpx.HTTPError, _HTTPStatus) as exc:
@@ -386,6 +391,7 @@ class Simulation:
                 self.report.feedback_errors += 1
                 return
             body = api_payload(record.completion_id, record.shown, record.accepted, decision_ms=decision_ms)
+        record.feedback_sent_at = time.time()
         try:
             resp = await http.post(f"{self.config.feedback_url}{FEEDBACK_PATHS[route]}", json=body,
                                    headers={**self._headers(user), "Content-Type": "application/json"})
