@@ -568,6 +568,10 @@ main.add_command(tasks)
 main.add_command(simulate)
 main.add_command(eval_command)
 
+from trainer.loop_bench import bench_loop  # noqa: E402  (the whole loop, evaluated on held-out tasks)
+
+bench.add_command(bench_loop)
+
 
 if __name__ == "__main__":
     sys.exit(main())

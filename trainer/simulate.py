@@ -207,6 +207,10 @@ class RequestRecord:
     ttft_ms: float | None = None
     feedback_status: int | None = None
     """The feedback route's HTTP status (None: not sent, or no answer)."""
+    sent_at: float | None = None
+    """Wall-clock time (epoch seconds) the completion request went out."""
+    feedback_sent_at: float | None = None
+    """Wall-clock time the feedback went out (None: none sent)."""
 
 
 @dataclass
@@ -361,6 +365,7 @@ class Simulation:
                                    prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(),
                                    with_context=with_context)
             self.report.records.append(record)
+            record.sent_at = time.time()
             try:
                 s = await self._stream(http, user, prompt, stop_at_newline=single_line_mode(task.prefix))
             except (httpx.HTTPError, _HTTPStatus) as exc:
@@ -400,7 +405,7 @@ class Simulation:
                 self.report.feedback_errors += 1
                 return
             body = api_payload(record.completion_id, record.shown, record.accepted, decision_ms=decision_ms)
-        started = time.time()
+        started = record.feedback_sent_at = time.time()
         try:
             resp = await http.post(f"{self.config.feedback_url}{FEEDBACK_PATHS[route]}", json=body,
                                    headers={**self._headers(user), "Content-Type": "application/json"})

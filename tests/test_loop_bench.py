@@ -1,0 +1,109 @@
+"""`tabloop bench loop`: the figures by hand, and one short run of the whole loop with the tiny model (a drill)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streams.rewards import RewardSpec
+from trainer.loop_bench import FIGURES, feedback_to_policy_s, goal, heldout_rows, version_figures
+from trainer.simulate import UserModel
+from trainer.tasks import FimTask
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _task(i: int, prefix: str, middle: str) -> FimTask:
+    return FimTask(f"t{i}", prefix, "\nrest()\n", middle)
+
+
+def test_heldout_figures_by_hand():
+    tasks = [_task(0, "x = ", "compute(1)"), _task(1, "y = ", "other(2)"), _task(2, "z = ", "third(3)"),
+             _task(3, "w = ", "fourth(4)")]
+    # accepted (10 chars), rejected, nothing shown (whitespace), accepted (9 chars)
+    completions = ["compute(1)", "wrong(2)", "   ", "fourth(4)"]
+    rows = heldout_rows(3, tasks, completions, UserModel("exact"), RewardSpec())
+    assert [r["outcome"] for r in rows] == ["ACCEPTED", "REJECTED", "IGNORED", "ACCEPTED"]
+    assert [r["reward"] for r in rows] == [0.75, -0.25, 0.0, 0.75]
+    fig = version_figures(rows)
+    assert fig == {"n": 4, "accept_rate_shown": round(2 / 3, 4), "shown_share": 0.75,
+                   "accepted_chars_per_request": round(19 / 4, 4), "reward_mean": round(1.25 / 4, 4)}
+    assert version_figures([])["accept_rate_shown"] is None
+    with pytest.raises(ValueError, match="3 tasks but 2 completions"):
+        heldout_rows(0, tasks[:3], completions[:2], UserModel("exact"), RewardSpec())
+
+
+def test_feedback_to_policy_is_first_feedback_to_first_trained_completion():
+    records = [
+        {"sent_at": 100.0, "latency_ms": 500, "policy_version": 0, "error": None, "feedback_sent_at": 101.0},
+        {"sent_at": 102.0, "latency_ms": 500, "policy_version": 0, "error": None, "feedback_sent_at": None},
+        {"sent_at": 140.0, "latency_ms": 250, "policy_version": 1, "error": "ReadTimeout", "feedback_sent_at": None},
+        {"sent_at": 150.0, "latency_ms": 250, "policy_version": 2, "error": None, "feedback_sent_at": 151.0},
+        {"sent_at": 145.0, "latency_ms": 1000, "policy_version": 1, "error": None, "feedback_sent_at": None},
+    ]
+    assert feedback_to_policy_s(records) == 45.0  # 145 + 1 - 101; the failed request does not count
+    assert feedback_to_policy_s(records[:2]) is None
+
+
+def test_goal_compares_the_last_version_with_the_base():
+    base = {"accept_rate_shown": 0.10, "shown_share": 0.80, "accepted_chars_per_request": 1.0}
+    better = {"accept_rate_shown": 0.13, "shown_share": 0.60, "accepted_chars_per_request": 1.2}
+    g = goal(base, better, 30.0)
+    assert g["accept_rate_rel_change"] == 0.3 and g["shown_share_rel_change"] == -0.25 and g["met"]
+    assert not goal(base, better, 75.0)["met"]
+    worse = {**better, "accepted_chars_per_request": 0.9}
+    assert not goal(base, worse, 30.0)["accepted_chars_not_lower"]
+
+
+@pytest.mark.drill
+def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TABLOOP_STATE_DIR": str(tmp_path / "base")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "bench", "loop", "--quick", "--model", tiny_model, "--minutes", "1.5",
+         "--train-limit", "60", "--heldout", "8", "--exploration-temperature", "1.0",
+         "--eval-temperature", "1.0", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert set(result) >= {"versions", "feedback_to_policy_s", "online", "goal"}
+    versions = result["versions"]
+    assert versions[0]["version"] == 0 and len(versions) >= 2, result  # trained versions appeared
+    assert [v["version"] for v in versions] == sorted(v["version"] for v in versions)
+    for v in versions:
+        assert set(v) >= {"version", *FIGURES, "n"} and v["n"] == 8
+    assert result["feedback_to_policy_s"] is not None and result["feedback_to_policy_s"] > 0
+    assert (out / "loop.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "loop.json").read_text())["versions"] == versions
+
+    # Every held-out figure is recomputed from the bench's own recorded completions.
+    rows = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
+    for v in versions:
+        mine = [r for r in rows if r["version"] == v["version"]]
+        shown = [r for r in mine if r["shown"] is not None]
+        assert len(mine) == v["n"]
+        assert v["shown_share"] == round(len(shown) / len(mine), 4)
+        if shown:
+            assert v["accept_rate_shown"] == round(sum(r["accepted"] for r in shown) / len(shown), 4)
+        assert v["reward_mean"] == round(sum(r["reward"] for r in mine) / len(mine), 4)
+    # And feedback→policy from the recorded requests.
+    requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert feedback_to_policy_s(requests) == result["feedback_to_policy_s"]
+    assert {o["version"] for o in result["online"]} == {r["policy_version"] for r in requests
+                                                         if r["error"] is None and r["policy_version"] is not None}
+
+
+def test_versions_to_evaluate_keeps_the_base_and_the_last():
+    from trainer.loop_bench import versions_to_evaluate
+
+    assert versions_to_evaluate([1, 2, 3], None) == [0, 1, 2, 3]
+    assert versions_to_evaluate([1, 2, 3], 10) == [0, 1, 2, 3]
+    assert versions_to_evaluate([1, 2, 3, 4], 3) == [0, 2, 4]
+    picked = versions_to_evaluate(list(range(1, 41)), 12)
+    assert len(picked) == 12 and picked[0] == 0 and picked[-1] == 40

@@ -1,0 +1,470 @@
+"""`tabloop bench loop`: the whole loop on this machine, and what it does to held-out tasks.
+
+What runs (nothing is a stand-in):
+
+1. a Kafka broker of its own (free port, a state dir of its own) and the topics;
+2. the supervisor `tabloop up` runs (``infra.supervisor.Supervisor``): the front
+   door, the streams worker, the online trainer and the history sink, each a
+   child process, with settings that make the trainer publish a version per
+   policy update;
+3. simulated Continue users (``trainer.simulate``) on the standard library's
+   *train* split for ``--minutes``: real streamed completions, real accept /
+   reject decisions, feedback through all three routes;
+4. once the users stop and the components are stopped (Kafka still up),
+   every published policy version, 0 (the base model) included, is loaded the
+   way `tabloop eval --policy V` loads it (``trainer.evaluate.load_policy``:
+   the version's WeightVersion event on ``tabloop.weights``) and completes the
+   *held-out* tasks greedily; the simulated user's rule decides each shown
+   suggestion, as it would have online.
+
+Per version (held-out): ``accept_rate_shown`` (accepted / shown),
+``shown_share`` (shown / requests; an empty suggestion is not shown),
+``accepted_chars_per_request`` and ``reward_mean`` (the reward spec's reward of
+each request's outcome: accepted, rejected, or ignored when nothing was shown),
+``n`` requests. The same figures of the train-split traffic each version served
+online come along as ``online``.
+
+``feedback_to_policy_s``: from the first feedback the users sent to the end of
+the first completion served by a trained version (the front door's
+``X-Tabloop-Policy-Version`` ≥ 1, as the simulator recorded it). Version 1 is
+trained on the first batch of episodes, which holds the first feedback.
+
+Everything the figures come from is written to ``--out``: ``requests.jsonl``
+(each simulated request), ``heldout.jsonl`` (each held-out completion, its
+decision and reward), ``loop.json`` (the result, also the last stdout line),
+``loop.png`` (the plot) and ``system.log`` (the components' output).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+FIGURES = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "reward_mean")
+
+# Cursor's Tab RL result, the goal on held-out tasks (issue 7): accept rate among shown suggestions up by 28 %
+# relative, 20 % fewer suggestions shown, no fewer accepted characters per request; and a trained policy
+# serving within a minute of the first feedback.
+GOAL_ACCEPT_RATE_GAIN = 0.28
+GOAL_SHOWN_DROP = 0.20
+GOAL_FEEDBACK_TO_POLICY_S = 60.0
+
+
+@dataclass(frozen=True)
+class LoopBenchConfig:
+    minutes: float = 15.0
+    users: int = 4
+    model: str = "demo"
+    heldout: int = 64
+    """Held-out tasks evaluated at every version."""
+    train_limit: int | None = None
+    """Use at most this many train-split tasks (None: all)."""
+    rule: str = "exact"
+    threshold: float = 0.8
+    seed: int = 0
+    max_tokens: int = 32
+    batch_size: int = 16
+    """Episodes per policy update; every update is a version."""
+    batch_wait_s: float = 20.0
+    lr: float = 1e-4
+    lora_rank: int = 8
+    exploration_temperature: float | None = None
+    eval_batch_size: int = 16
+    max_evals: int | None = None
+    """Evaluate at most this many versions (0 and the last always, the rest evenly spaced); None: every one."""
+    eval_temperature: float = 0.0
+    """0: greedy, as Continue's 0.01 nearly is."""
+    healthy_timeout_s: float = 600.0
+    keep_state: bool = False
+
+    def __post_init__(self) -> None:
+        if self.minutes <= 0:
+            raise ValueError(f"minutes must be positive, got {self.minutes}")
+        if self.users < 1 or self.heldout < 1:
+            raise ValueError("users and heldout must be at least 1")
+        if self.rule not in ("exact", "similarity"):
+            raise ValueError(f"the loop bench's users decide by exact or similarity, got {self.rule!r} "
+                             "(the standard library's tasks have no tests)")
+
+
+# -- the figures (pure) ------------------------------------------------------------------------
+
+def heldout_rows(version: int, tasks: Sequence, completions: Sequence[str], user_model, spec) -> list[dict]:
+    """One row per held-out request: what the editor shows, whether the user takes it, the reward.
+
+    ``user_model`` is a ``trainer.simulate.UserModel``; ``spec`` a ``streams.rewards.RewardSpec``. Nothing
+    shown means the user decides nothing: the IGNORED reward."""
+    from streams.rewards import acceptance_reward
+    from trainer.simulate import shown_text, single_line_mode
+
+    if len(tasks) != len(completions):
+        raise ValueError(f"{len(tasks)} tasks but {len(completions)} completions")
+    rows = []
+    for task, completion in zip(tasks, completions):
+        shown = shown_text(completion, single_line=single_line_mode(task.prefix))
+        accepted = shown is not None and user_model.accepts(task, shown)
+        outcome = "IGNORED" if shown is None else ("ACCEPTED" if accepted else "REJECTED")
+        rows.append({"version": version, "task_id": task.task_id, "completion": completion, "shown": shown,
+                     "accepted": accepted, "accepted_chars": len(shown) if accepted else 0, "outcome": outcome,
+                     "reward": acceptance_reward(spec, outcome), "reference": task.middle})
+    return rows
+
+
+def version_figures(rows: Sequence[dict]) -> dict:
+    """accept_rate_shown, shown_share, accepted_chars_per_request, reward_mean and n of some requests' rows."""
+    n = len(rows)
+    shown = [r for r in rows if r["shown"] is not None]
+    accepted = [r for r in shown if r["accepted"]]
+    return {
+        "n": n,
+        "accept_rate_shown": _ratio(len(accepted), len(shown)),
+        "shown_share": _ratio(len(shown), n),
+        "accepted_chars_per_request": _ratio(sum(r["accepted_chars"] for r in accepted), n),
+        "reward_mean": _ratio(sum(r["reward"] for r in rows), n),
+    }
+
+
+def versions_to_evaluate(published: Sequence[int], max_evals: int | None) -> list[int]:
+    """0 and the published versions; with ``max_evals``, at most that many: 0, the last, and evenly spaced
+    ones in between (evaluation takes minutes per version on a CPU; the loop makes one every few seconds)."""
+    every = [0, *published]
+    if max_evals is None or len(every) <= max_evals:
+        return every
+    if max_evals < 2:
+        raise ValueError(f"max_evals must be at least 2 (the base model and the last version), got {max_evals}")
+    step = (len(every) - 1) / (max_evals - 1)
+    return sorted({every[round(i * step)] for i in range(max_evals)})
+
+
+def feedback_to_policy_s(records: Iterable[dict]) -> float | None:
+    """Seconds from the first feedback sent to the end of the first completion served by a version ≥ 1
+    (records as ``trainer.simulate.RequestRecord`` dicts); None when either never happened."""
+    records = list(records)
+    sent = [r["feedback_sent_at"] for r in records if r.get("feedback_sent_at") is not None]
+    trained = [r["sent_at"] + r["latency_ms"] / 1000 for r in records
+               if r.get("error") is None and (r.get("policy_version") or 0) >= 1 and r.get("sent_at") is not None]
+    if not sent or not trained:
+        return None
+    return round(min(trained) - min(sent), 2)
+
+
+def goal(first: dict, last: dict, to_policy_s: float | None) -> dict:
+    """Issue 7's goal, comparing the last version's held-out figures with the base model's."""
+    def rel(a, b):
+        return None if a is None or b is None or b == 0 else round(a / b - 1, 4)
+
+    accept_gain = rel(last["accept_rate_shown"], first["accept_rate_shown"])
+    shown_change = rel(last["shown_share"], first["shown_share"])
+    chars_first, chars_last = first["accepted_chars_per_request"], last["accepted_chars_per_request"]
+    checks = {
+        "accept_rate_up_28pct": accept_gain is not None and accept_gain >= GOAL_ACCEPT_RATE_GAIN,
+        "shown_down_20pct": shown_change is not None and shown_change <= -GOAL_SHOWN_DROP,
+        "accepted_chars_not_lower": chars_last is not None and chars_first is not None and chars_last >= chars_first,
+        "feedback_to_policy_under_60s": to_policy_s is not None and to_policy_s < GOAL_FEEDBACK_TO_POLICY_S,
+    }
+    return {"accept_rate_rel_change": accept_gain, "shown_share_rel_change": shown_change,
+            "accepted_chars_change": None if chars_last is None or chars_first is None
+            else round(chars_last - chars_first, 4), **checks, "met": all(checks.values())}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+# -- the plot ----------------------------------------------------------------------------------
+
+def plot(result: dict, path: Path) -> Path:
+    """Each figure per version: held-out (solid), and the train-split traffic served online (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    versions = [v["version"] for v in result["versions"]]
+    online = {o["version"]: o for o in result.get("online", [])}
+    titles = {"accept_rate_shown": "accept rate among shown", "shown_share": "share of requests shown",
+              "accepted_chars_per_request": "accepted chars per request", "reward_mean": "mean reward"}
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    for ax, key in zip(axes.flat, FIGURES):
+        ax.plot(versions, [v[key] if v[key] is not None else float("nan") for v in result["versions"]],
+                marker="o", label="held-out (eval)")
+        ov = sorted(online)
+        if ov:
+            ax.plot(ov, [online[v][key] if online[v].get(key) is not None else float("nan") for v in ov],
+                     linestyle="--", marker=".", alpha=0.7, label="train split (served online)")
+        ax.set_title(titles[key])
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("policy version")
+    axes[0][0].legend(fontsize=8)
+    f2p = result.get("feedback_to_policy_s")
+    fig.suptitle(f"tabloop bench loop: {result['model_label']}, {result['minutes']} min, {result['users']} users, "
+                 f"{result['heldout_tasks']} held-out tasks; feedback→policy "
+                 f"{'n/a' if f2p is None else f'{f2p:.1f} s'}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: str):
+    """The bench's system: its own state dir, broker and ports, open auth on loopback, and a trainer that
+    publishes (and promotes) a version per update."""
+    from infra.kafka_broker import free_port
+
+    update = {
+        "state_dir": state_dir, "kafka_bootstrap": f"127.0.0.1:{free_port()}", "serve_host": "127.0.0.1",
+        "completions_port": free_port(), "feedback_port": free_port(), "history_port": free_port(),
+        "auth": "open", "model": model_spec, "weight_store": "", "clickhouse_url": "",
+        "trainer_device": "cpu", "trainer_batch_size": config.batch_size,
+        "trainer_micro_batch": min(8, config.batch_size),
+        "trainer_batch_wait_s": config.batch_wait_s, "trainer_save_every": 1, "trainer_lr": config.lr,
+        "trainer_warmup_updates": 0, "trainer_lora_rank": config.lora_rank, "trainer_full_finetune": False,
+        "auto_promote": True, "canary_share": 0.0, "exploration_temperature": config.exploration_temperature,
+    }
+    return base.model_copy(update=update)
+
+
+def resolve_model(base, model: str) -> str:
+    """``demo``: the demo model of the configured state dir (built there once, then reused); else a path or
+    hub id as given."""
+    from trainer.models import resolve_model_spec
+
+    if model == "demo":
+        return resolve_model_spec(base.model_copy(update={"model": "demo"}))
+    return model
+
+
+def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
+                   log: Callable[[str], None] | None = None) -> dict:
+    from infra import supervisor as sv
+    from infra.bus import ensure_topics
+    from infra.kafka_broker import LocalKafka
+    from streams.rewards import RewardSpec
+    from trainer.evaluate import evaluate, load_policy
+    from trainer.simulate import SimConfig, Simulation, UserModel, records_jsonl
+    from trainer.tasks import resolve_dataset
+    from trainer.weight_store import read_weight_records
+
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    model_spec = resolve_model(base_settings, config.model)
+    state_dir = Path(tempfile.mkdtemp(prefix="tabloop-bench-loop-"))
+    settings = bench_settings(base_settings, config, state_dir, model_spec)
+    train = resolve_dataset("stdlib:train", seed=config.seed, limit=config.train_limit)
+    heldout = resolve_dataset("stdlib:heldout", seed=config.seed, limit=config.heldout)
+    say(f"bench loop: {len(train)} train tasks, {len(heldout)} held-out tasks, model {model_spec}, "
+        f"state {state_dir}")
+
+    broker = LocalKafka(settings)
+    supervisor = thread = None
+    system_log = open(out_dir / "system.log", "w")
+    try:
+        broker.start()
+        ensure_topics(settings)
+        supervisor = sv.Supervisor(settings, out=system_log)
+        # The supervisor's own thread starts every child, so their parent-death signal follows this run.
+        thread = threading.Thread(target=supervisor.run, name="bench-loop-supervisor", daemon=True)
+        thread.start()
+        _wait_healthy(supervisor, config.healthy_timeout_s, out_dir / "system.log")
+        say(f"bench loop: every component healthy after {time.monotonic() - started:.0f}s; "
+            f"{config.users} users for {config.minutes} min")
+
+        sim_config = SimConfig(
+            completions_url=f"http://127.0.0.1:{settings.completions_port}",
+            feedback_url=f"http://127.0.0.1:{settings.feedback_port}", users=config.users, requests=None,
+            duration_s=config.minutes * 60, rule=config.rule, threshold=config.threshold,
+            max_tokens=config.max_tokens, seed=config.seed, project="bench-loop", progress_every_s=30)
+        import asyncio
+
+        report = asyncio.run(Simulation(train, sim_config, log=say).run())
+        records = [asdict(r) for r in report.records]
+        (out_dir / "requests.jsonl").write_text(records_jsonl(report))
+        sim_summary = report.summary()
+        say(f"bench loop: the users made {sim_summary['completed']} requests; stopping the components")
+        supervisor.stop()
+        thread.join(120)
+
+        weight_records = read_weight_records(settings)
+        published = _published(weight_records, model_spec)
+        say(f"bench loop: versions published: {sorted(published) or 'none'}; evaluating each on held-out tasks")
+        user_model, spec = UserModel(config.rule, config.threshold), RewardSpec()
+        versions, rows_all = [], []
+        for version in versions_to_evaluate(sorted(published), config.max_evals):
+            t0 = time.monotonic()
+            model, tokenizer, label = load_policy(settings, str(version), model_spec=model_spec)
+            summary, scored = evaluate(model, tokenizer, heldout, scorer="exact",
+                                       temperature=config.eval_temperature, max_new_tokens=config.max_tokens,
+                                       batch_size=config.eval_batch_size,
+                                       max_prompt_tokens=settings.max_prompt_tokens, seed=config.seed,
+                                       log=lambda _: None)
+            rows = heldout_rows(version, heldout, [s.completion for s in scored], user_model, spec)
+            rows_all.extend(rows)
+            figures = {"version": version, **version_figures(rows),
+                       "exact_match": summary["exact_match"], "edit_similarity": summary["edit_similarity"],
+                       "published_s": published.get(version), "eval_s": round(time.monotonic() - t0, 1)}
+            versions.append(figures)
+            say(f"bench loop: v{version}: " + ", ".join(f"{k} {figures[k]}" for k in ("n", *FIGURES)))
+        (out_dir / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_all))
+    finally:
+        if supervisor is not None and thread is not None and thread.is_alive():
+            supervisor.stop()
+            thread.join(120)
+        if supervisor is not None:
+            # Its probes' Kafka admin client must go while the broker still answers: librdkafka's destroy
+            # waits for a broker that is gone.
+            supervisor.probes._admin = None
+            supervisor = None
+            gc.collect()
+        broker.stop()
+        system_log.close()
+        if not config.keep_state:
+            shutil.rmtree(state_dir, ignore_errors=True)
+
+    to_policy = feedback_to_policy_s(records)
+    first_feedback = min((r["feedback_sent_at"] for r in records if r["feedback_sent_at"]), default=None)
+    for v in versions:  # publication times relative to the first feedback, as feedback_to_policy_s is
+        if v["published_s"] is not None and first_feedback is not None:
+            v["published_s"] = round(v["published_s"] - first_feedback, 2)
+    online = [{"version": v, **{k: part[k] for k in ("completed", "shown", "accepted", *FIGURES[:3])}}
+              for v, part in report.by_version().items()]
+    online_rewards = _online_rewards(records, RewardSpec())
+    for o in online:
+        o["reward_mean"] = online_rewards.get(o["version"])
+    result = {
+        "bench": "loop", "model": model_spec, "model_label": Path(model_spec).name or model_spec,
+        "minutes": config.minutes, "users": config.users, "rule": config.rule, "train_tasks": len(train),
+        "heldout_tasks": len(heldout), "versions": versions, "feedback_to_policy_s": to_policy,
+        "goal": goal(versions[0], versions[-1], to_policy) if versions else None,
+        "online": online, "simulation": {k: sim_summary[k] for k in (
+            "requests", "completed", "abandoned", "errors", "shown", "accepted", "feedback_sent", "feedback_errors",
+            "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms")},
+        "trainer": {"batch_size": config.batch_size, "lr": config.lr, "lora_rank": config.lora_rank,
+                    "exploration_temperature": config.exploration_temperature},
+        "eval_temperature": config.eval_temperature, "versions_published": len(published),
+        "wall_s": round(time.monotonic() - started, 1),
+        "files": {name: str(out_dir / name) for name in
+                  ("loop.json", "loop.png", "requests.jsonl", "heldout.jsonl", "system.log")},
+    }
+    (out_dir / "loop.json").write_text(json.dumps(result, indent=1))
+    plot(result, out_dir / "loop.png")
+    return result
+
+
+def _wait_healthy(supervisor, timeout_s: float, log_path: Path) -> None:
+    from infra.supervisor import tail
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if supervisor.all_healthy():
+            return
+        crashing = [c for c in supervisor.children if c.restarts >= 3 and not c.healthy]
+        if crashing:
+            raise RuntimeError(f"{crashing[0].component.name} crashed {crashing[0].restarts} times before becoming "
+                               f"healthy; the end of {log_path}:\n{tail(log_path)}")
+        time.sleep(1)
+    waiting = [c.component.name for c in supervisor.children if not c.healthy and c.state != "not installed"]
+    raise RuntimeError(f"not healthy within {timeout_s:.0f}s: {', '.join(waiting)}; see {log_path}")
+
+
+def _published(weight_records: Sequence[dict], base_model: str) -> dict[int, float]:
+    """Trained versions of ``base_model`` that were promoted: version → when (epoch seconds)."""
+    out: dict[int, float] = {}
+    for r in weight_records:
+        if r["base_model"] != base_model or r["version"] == 0 or r["status"] != "PROMOTED":
+            continue
+        at = r["created_at"]
+        out.setdefault(r["version"], at.timestamp() if hasattr(at, "timestamp") else at / 1000)
+    return out
+
+
+def _online_rewards(records: Sequence[dict], spec) -> dict[int, float]:
+    """Mean reward of the requests each version served (the users' outcomes; nothing shown: ignored)."""
+    from streams.rewards import acceptance_reward
+
+    sums: dict[int, list[float]] = {}
+    for r in records:
+        if r["error"] is not None or r["policy_version"] is None:
+            continue
+        outcome = "IGNORED" if r["shown"] is None else ("ACCEPTED" if r["accepted"] else "REJECTED")
+        sums.setdefault(r["policy_version"], []).append(acceptance_reward(spec, outcome))
+    return {v: round(sum(xs) / len(xs), 4) for v, xs in sums.items()}
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+QUICK = {"minutes": 2.0, "users": 2, "heldout": 16, "batch_size": 8, "batch_wait_s": 10.0}
+
+
+def _click():
+    import click
+
+    @click.command("loop")
+    @click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+                  help="How long the simulated users work (default 15; --quick: 2).")
+    @click.option("--users", type=click.IntRange(min=1), default=None, help="Simulated users (default 4).")
+    @click.option("--model", default="demo", show_default=True,
+                  help="demo (the demo model of the configured state dir, built once), or a model directory.")
+    @click.option("--heldout", type=click.IntRange(min=1), default=None,
+                  help="Held-out tasks evaluated at every version (default 64).")
+    @click.option("--train-limit", type=click.IntRange(min=1), default=None,
+                  help="Use at most this many train-split tasks (default: all).")
+    @click.option("--rule", type=click.Choice(["exact", "similarity"]), default="exact", show_default=True,
+                  help="When a simulated user accepts (online and on held-out tasks).")
+    @click.option("--threshold", type=click.FloatRange(0, 1), default=0.8, show_default=True)
+    @click.option("--batch-size", type=click.IntRange(min=1), default=None,
+                  help="Episodes per policy update; each update is a version (default 16).")
+    @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-4, show_default=True)
+    @click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
+    @click.option("--exploration-temperature", type=click.FloatRange(0, 2), default=None,
+                  help="Serve at this temperature instead of the users' 0.01.")
+    @click.option("--eval-temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True,
+                  help="Held-out completions at this temperature (0: greedy).")
+    @click.option("--max-evals", type=click.IntRange(min=2), default=None,
+                  help="Evaluate at most this many versions: 0, the last, and evenly spaced ones (default: all).")
+    @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+    @click.option("--seed", type=int, default=0, show_default=True)
+    @click.option("--quick", is_flag=True, help="A short smoke run (2 minutes, 2 users, 16 held-out tasks).")
+    @click.option("--keep-state", is_flag=True, help="Keep the bench's state dir (Kafka data, weights, logs).")
+    @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-loop", show_default=True,
+                  help="Where loop.json, loop.png and the recorded requests go.")
+    @click.pass_context
+    def bench_loop(ctx, minutes, users, model, heldout, train_limit, rule, threshold, batch_size, lr, lora_rank,
+                   exploration_temperature, eval_temperature, max_evals, max_tokens, seed, quick, keep_state,
+                   out_dir) -> None:
+        """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
+        split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
+        from infra.cli import TabloopError
+        from infra.kafka_broker import KafkaLaunchError
+        from trainer.models import ModelLoadError
+
+        defaults = {"minutes": 15.0, "users": 4, "heldout": 64, "batch_size": 16, "batch_wait_s": 20.0}
+        if quick:
+            defaults.update(QUICK)
+        given = {"minutes": minutes, "users": users, "heldout": heldout, "batch_size": batch_size}
+        chosen = {k: (given.get(k) if given.get(k) is not None else v) for k, v in defaults.items()}
+        try:
+            config = LoopBenchConfig(**chosen, model=model, train_limit=train_limit, rule=rule, threshold=threshold,
+                                     lr=lr, lora_rank=lora_rank, exploration_temperature=exploration_temperature,
+                                     eval_temperature=eval_temperature, max_evals=max_evals,
+                                     max_tokens=max_tokens, seed=seed, keep_state=keep_state)
+            result = run_loop_bench(ctx.find_root().obj, config, Path(out_dir))
+        except (ValueError, RuntimeError, KafkaLaunchError, ModelLoadError) as exc:
+            raise TabloopError(str(exc)) from None
+        print(json.dumps(result))
+
+    return bench_loop
+
+
+bench_loop = _click()
