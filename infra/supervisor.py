@@ -39,7 +39,7 @@ BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # a child that ran this long starts its back-off from the beginning again
 PROBE_EVERY_S = 2.0
 STOP_TIMEOUT_S = 20.0
-HUNG_RESTART_S = 120.0  # an HTTP component that was ready and stops answering this long is restarted
+HUNG_RESTART_S = 120.0  # a component that was healthy and stays unhealthy this long is restarted
 STATUS_FILE = "status.json"
 PID_FILE = "supervisor.pid"
 
@@ -476,9 +476,11 @@ class Supervisor:
             else:
                 child.unready_since = child.unready_since or now
                 child.state = "starting" if child.ready_since is None else "unhealthy"
-                if (c.health == "http" and child.ready_since is not None
+                # Alive but not doing its job: the front door not answering, or a worker that left its
+                # consumer group and never came back (seen after a Kafka outage).
+                if (c.health in ("http", "group") and child.ready_since is not None
                         and now - child.unready_since >= HUNG_RESTART_S):
-                    self.say("supervisor", f"{c.name} has not answered for {HUNG_RESTART_S:.0f}s; restarting it")
+                    self.say("supervisor", f"{c.name} has been unhealthy for {HUNG_RESTART_S:.0f}s; restarting it")
                     self._kill(child)
             if child.state != was and child.state in ("healthy", "unhealthy"):
                 self.say("supervisor", f"{c.name} is {child.state}")
