@@ -84,11 +84,14 @@ def test_sink_stores_every_event_once_and_commits_after_storing(kafka_settings, 
         assert time.monotonic() < deadline, "sink did not catch up"
         second.step()
     second.close()
-    assert second.stats.skipped_already_stored == uncommitted > 0
     assert stored_before < total
     for table, n in want.items():
         assert store.count(table) == n, table  # raw rows: no duplicate at all
         assert store.count(table, final=True) == n, table
+    # The second sink met the uncommitted rows again and skipped them. Under heavy load the group may
+    # have moved on part of them before the first sink's exit (seen once in CI: 584 of 700), so the
+    # exact counts above are the guarantee and this says the skip path ran.
+    assert 0 < second.stats.skipped_already_stored <= uncommitted
     rejects = store.query(f"SELECT _topic, error FROM {store.database}.rejects").rows
     assert len(rejects) == 3 and all("completions" in t and e for t, e in rejects)
     # rows keep their source position, one per offset
