@@ -206,6 +206,7 @@ class KafkaProbeProcess:
         self.settings = settings
         self.timeout_s = timeout_s
         self.restarts = 0
+        self._started = False
         self._proc = None
         self._conn = None
         self._lock = threading.Lock()
@@ -226,8 +227,9 @@ class KafkaProbeProcess:
     def _start(self) -> None:
         import multiprocessing
 
-        if self._proc is not None:
+        if self._started:  # counted whether the last one died between questions or during one
             self.restarts += 1
+        self._started = True
         self._discard()
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or locks copied
         ours, theirs = ctx.Pipe()
