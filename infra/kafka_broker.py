@@ -144,12 +144,12 @@ class LocalKafka:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not _alive(pid):
+            if not pid_alive(pid):
                 break
             time.sleep(0.2)
         else:
             os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
+            while pid_alive(pid):
                 time.sleep(0.1)
         self.pid_file.unlink(missing_ok=True)
         return True
@@ -246,7 +246,7 @@ class LocalKafka:
             pid = int(self.pid_file.read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        if not _alive(pid):
+        if not pid_alive(pid):
             return None
         try:  # the pid may have been reused by an unrelated process
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -275,15 +275,18 @@ def _local_listener(bootstrap: str) -> tuple[str, int]:
     return ("127.0.0.1" if host == "localhost" else host.strip("[]")), int(port)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is ``pid`` a live process (a zombie is not)? Shared by the broker launcher and the supervisor."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    try:  # a zombie child of ours is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:  # gone since the kill(0); with no /proc at all, trust the kill(0)
+        return not Path("/proc/self").exists()
     except OSError:
         return True
 

@@ -32,6 +32,7 @@ from typing import Callable, TextIO
 
 import httpx
 
+from infra.kafka_broker import pid_alive
 from infra.settings import Settings, to_environ
 
 BACKOFF_BASE_S = 1.0
@@ -117,22 +118,9 @@ def read_status(settings: Settings) -> dict | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _is_tabloop(pid: int) -> bool:
     """Alive and running tabloop's CLI (a recycled pid belongs to someone else)."""
-    if not _alive(pid):
+    if not pid_alive(pid):
         return False
     try:
         return b"infra.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -601,9 +589,9 @@ def stop_supervisor(settings: Settings, timeout_s: float = 60.0) -> list[str]:
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if _alive(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
             said.append(f"supervisor (pid {pid}) did not stop in {timeout_s:.0f}s: killed")
         else:

@@ -31,6 +31,17 @@ def kafka(tmp_path_factory) -> LocalKafka:
 
 
 @pytest.fixture
+def own_kafka(tmp_path_factory) -> LocalKafka:
+    """A fresh broker for one test: for workers that read their topics from the start, which must not
+    see the session broker's events of other tests."""
+    settings = make_settings(tmp_path_factory.mktemp("own-kafka"), kafka_bootstrap=f"127.0.0.1:{free_port()}")
+    broker = LocalKafka(settings)
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
 def kafka_settings(kafka) -> Settings:
     return kafka.settings
 

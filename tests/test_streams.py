@@ -28,15 +28,9 @@ WINDOW_S, LATENESS_S, IDLE_S = 30, 20, 3
 
 
 @pytest.fixture
-def kafka(tmp_path_factory):
-    """A fresh broker per drill: a worker reads its topics from the start, so no drill may see another's."""
-    from infra.kafka_broker import LocalKafka, free_port
-
-    settings = make_settings(tmp_path_factory.mktemp("streams-kafka"), kafka_bootstrap=f"127.0.0.1:{free_port()}")
-    broker = LocalKafka(settings)
-    broker.start()
-    yield broker
-    broker.stop()
+def kafka(own_kafka):
+    """A fresh broker per test (conftest's ``own_kafka``): the workers read their topics from the start."""
+    return own_kafka
 
 
 def ts(ms: int) -> datetime:

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from infra import supervisor as sv
-from infra.kafka_broker import free_port
+from infra.kafka_broker import free_port, pid_alive
 from schemas.topics import EPISODES
 from tests.conftest import TEST_PARTITIONS, make_settings
 from tests.serving_helpers import find_events
@@ -93,7 +93,7 @@ def test_children_are_logged_prefixed_restarted_with_back_off_and_stopped(kafka,
     finally:
         sup.stop()
         thread.join(60)
-    assert not thread.is_alive() and all(not sv._alive(p) for p in pids)
+    assert not thread.is_alive() and all(not pid_alive(p) for p in pids)
     assert {c.state for c in sup.children} == {"stopped"}
     log = out.getvalue()
     # Exits in a row wait 1 s, 2 s, 4 s …: the quitter never ran long enough to start over.
@@ -123,7 +123,7 @@ def test_kafka_probes_run_in_a_process_whose_death_the_caller_survives(kafka, tm
         assert len(members) == 1
         first = probes.kafka._proc.pid
         os.kill(first, signal.SIGABRT)  # what the librdkafka assertion does
-        _wait(lambda: not sv._alive(first), 10, "the probe process to die")
+        _wait(lambda: not pid_alive(first), 10, "the probe process to die")
         # A new probe process answers (its first question may come before it is connected: "unknown").
         _wait(lambda: probes.group_members(group) == (True, members), 60, "a new probe process to answer")
         assert probes.kafka.restarts == 1 and probes.kafka._proc.pid != first

@@ -28,15 +28,9 @@ pytestmark = [pytest.mark.kafka, pytest.mark.drill]  # three processes and a bro
 
 
 @pytest.fixture
-def kafka(tmp_path_factory):
-    """A fresh broker: the streams worker and the trainer read their topics from the start."""
-    from infra.kafka_broker import LocalKafka, free_port
-
-    settings = make_settings(tmp_path_factory.mktemp("e2e-kafka"), kafka_bootstrap=f"127.0.0.1:{free_port()}")
-    broker = LocalKafka(settings)
-    broker.start()
-    yield broker
-    broker.stop()
+def kafka(own_kafka):
+    """A fresh broker per test (conftest's ``own_kafka``): the workers read their topics from the start."""
+    return own_kafka
 
 
 def spawn(settings, args: list[str], log_name: str) -> subprocess.Popen:

@@ -67,6 +67,16 @@ def baseline_advantages(rewards: Sequence[float], projects: Sequence[str], state
     return advantages, BaselineState(means, counts)
 
 
+def _group_indices(rewards: Sequence[float], groups: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    """Positions of each group's samples, in order of first appearance."""
+    if len(rewards) != len(groups):
+        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    return members
+
+
 def grpo_advantages(rewards: Sequence[float], groups: Sequence[Hashable], *, eps: float = 1e-6,
                     scale_by_std: bool = True) -> list[float]:
     """GRPO: each sample's reward minus its group's mean, divided by the group's standard deviation.
@@ -76,11 +86,7 @@ def grpo_advantages(rewards: Sequence[float], groups: Sequence[Hashable], *, eps
     rewards are all equal gets advantage 0 everywhere (no signal, no division
     blow-up thanks to ``eps``). A group of one sample has advantage 0.
     """
-    if len(rewards) != len(groups):
-        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
-    members: dict[Hashable, list[int]] = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
+    members = _group_indices(rewards, groups)
     out = [0.0] * len(rewards)
     for idx in members.values():
         rs = [rewards[i] for i in idx]
@@ -99,11 +105,7 @@ def rloo_advantages(rewards: Sequence[float], groups: Sequence[Hashable]) -> lis
     does not depend on the sample itself. Needs k ≥ 2: a group of one has no
     others to compare with and is an error rather than a silent zero.
     """
-    if len(rewards) != len(groups):
-        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
-    members: dict[Hashable, list[int]] = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
+    members = _group_indices(rewards, groups)
     out = [0.0] * len(rewards)
     for g, idx in members.items():
         if len(idx) < 2:
