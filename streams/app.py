@@ -92,30 +92,152 @@ class SourceBoundTransactions(TransactionManager):
 
 
 class ListedHighwatersThread(AIOKafkaConsumerThread):
-    """Highwaters asked of the broker (ListOffsets), never read off the last fetch.
-
-    Under exactly-once, Faust takes a partition's highwater from aiokafka's ``last_stable_offset``,
-    which only a fetch response fills in: for a changelog partition not fetched yet it is unknown,
-    Faust counts that as empty and skips the restore. A worker started right after a Kafka restart
-    did exactly that, began with empty tables and joined feedback it had already joined into a
-    second episode. ListOffsets with the consumer's isolation level (read_committed) answers the
-    last stable offset at once.
-    """
+    """Highwaters asked of the broker (ListOffsets), never read off the last fetch (see
+    ``SeekSafeConsumer``)."""
 
     async def _highwaters(self, partitions):
         return await self._ensure_consumer().end_offsets(partitions)
 
 
-class ListedHighwatersConsumer(AIOKafkaConsumer):
-    def _new_consumer_thread(self) -> ListedHighwatersThread:
+class _ReadOffsets(dict):
+    """Faust's per-partition read offsets, deaf to the one write that would make them stale (see
+    ``SeekSafeConsumer``). Faust seeks write through ``dict.update``, which this class leaves alone."""
+
+    def __init__(self, consumer: "SeekSafeConsumer"):
+        super().__init__()
+        self.consumer = consumer
+
+    def __missing__(self, tp):
+        return None
+
+    def __setitem__(self, tp, offset) -> None:
+        if not self.consumer.stale_write(tp, offset):
+            super().__setitem__(tp, offset)
+
+
+class SeekSafeConsumer(AIOKafkaConsumer):
+    """A consumer whose commits never stall after a seek, and whose highwaters are asked of the broker.
+
+    **Stalls.** After a rebalance Faust restores the tables, then seeks each stream partition back to its
+    committed offset C and re-reads from there. Its fetch loop may meanwhile be half-way through a
+    batch fetched *before* the seek: it hands that batch's next message M to the streams and then
+    records M's offset as the partition's read offset, overwriting C. The re-read from C then drops
+    every message below M as already read, so C..M-1 are never processed, never acked, and the
+    contiguous-acks rule never lets the partition commit again: its lag grows forever (seen after a
+    SIGKILL and restart of the worker; faust-streaming issue 596 describes the same race).
+
+    Here every fetched batch carries the seek epoch of each partition at fetch time. A message from
+    before its partition's latest seek is not handed on (the re-read delivers it again); if it was
+    already handed on, its read-offset write is ignored and the agents skip it without counting its
+    ack. When a batch is dropped for that reason the partition is sought back to where its latest
+    seek put it, so nothing the broker had already moved past is skipped.
+
+    **Highwaters.** Under exactly-once, Faust takes a partition's highwater from aiokafka's
+    ``last_stable_offset``, which only a fetch response fills in: for a changelog partition not
+    fetched yet it is unknown, Faust counts that as empty and skips the restore. A worker started
+    right after a Kafka restart did exactly that, began with empty tables and joined feedback it had
+    already joined into a second episode. ListOffsets with the consumer's isolation level
+    (read_committed) answers the last stable offset at once (``ListedHighwatersThread``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seek_epoch: dict = defaultdict(int)
+        self._seek_target: dict = {}
+        self._batch_epochs: dict = {}
+        self._handed: dict[int, tuple] = {}  # id(message) -> (tp, epoch) of messages handed on
+        self._last_handed: dict = {}  # tp -> (offset, epoch) of the message the fetch loop holds
+        self._read_offset = _ReadOffsets(self)
+
+    def _new_consumer_thread(self) -> "ListedHighwatersThread":
         return ListedHighwatersThread(self, loop=self.loop, beacon=self.beacon)
+
+    # -- seeks: each starts a new epoch of its partition ---------------------------------------------
+
+    async def perform_seek(self) -> None:
+        await super().perform_seek()
+        for tp in self.assignment():
+            self.seek_epoch[tp] += 1
+            self._seek_target[tp] = dict.get(self._read_offset, tp)
+        # Forget messages handed on two seeks ago or earlier: one left over from just before this seek
+        # may still come out of a queue and must be known as stale; older ones were cleared with the queues.
+        self._handed = {k: (tp, e) for k, (tp, e) in self._handed.items() if e >= self.seek_epoch[tp] - 1}
+
+    async def seek(self, tp, offset: int) -> None:
+        await super().seek(tp, offset)
+        self.seek_epoch[tp] += 1
+        self._seek_target[tp] = offset if offset else None
+        dict.__setitem__(self._read_offset, tp, offset if offset else None)  # whatever the fetch loop holds
+
+    # -- fetching: drop what was fetched before its partition's latest seek --------------------------
+
+    async def _wait_next_records(self, timeout: float):
+        if not self.flow_active:  # paused for a rebalance, which ends with a seek: wait for that first
+            await self.wait(self.can_resume_flow)
+        epochs = dict(self.seek_epoch)  # before the fetch: a seek during it makes its records suspect
+        result = await super()._wait_next_records(timeout)
+        self._batch_epochs = epochs
+        return result
+
+    async def getmany(self, timeout: float):
+        epochs, dropped = None, {}
+        async for tp, message in super().getmany(timeout):
+            epochs = epochs if epochs is not None else self._batch_epochs
+            if self._is_changelog_tp(tp):  # table recovery reads these; it does its own seeking
+                yield tp, message
+                continue
+            epoch = epochs.get(tp, 0)
+            if epoch != self.seek_epoch[tp]:
+                dropped.setdefault(tp, message.offset)
+                continue
+            self._handed[id(message)] = (tp, epoch)
+            self._last_handed[tp] = (message.offset, epoch)
+            yield tp, message
+        for tp, first in dropped.items():
+            if tp not in self.assignment():  # revoked meanwhile: its next owner reads from the commit
+                continue
+            target = self._seek_target.get(tp)
+            log.info("dropped %s from offset %d, fetched before its latest seek; reading again from %s",
+                     tp, first, target if target is not None else "the beginning")
+            if target is None:
+                await self.seek_to_beginning(tp)
+                self.seek_epoch[tp] += 1
+            else:
+                await self.seek(tp, min(first, target))
+
+    def stale_write(self, tp, offset) -> bool:
+        """Whether writing ``offset`` as ``tp``'s read offset comes from a message fetched before its
+        partition's latest seek (the fetch loop writes the offset of each message it handed on)."""
+        last = self._last_handed.get(tp)
+        if last is None or last[0] != offset:
+            return False
+        del self._last_handed[tp]
+        if last[1] == self.seek_epoch[tp]:
+            return False
+        log.info("kept %s's read offset at %s: offset %d was fetched before its latest seek",
+                 tp, dict.get(self._read_offset, tp), offset)
+        return True
+
+    def stale(self, message) -> bool:
+        """A message handed on before its partition's latest seek: the re-read delivers it again."""
+        handed = self._handed.get(id(message))
+        return handed is not None and handed[0] == message.tp and handed[1] != self.seek_epoch[message.tp]
+
+    def ack(self, message) -> bool:
+        if self.stale(message):  # not processed: its offset must not count towards a commit
+            self._handed.pop(id(message), None)
+            message.acked = True
+            self._unacked_messages.discard(message)
+            return False
+        self._handed.pop(id(message), None)
+        return super().ack(message)
 
 
 class StreamsApp(faust.App):
     def _new_transport(self):
         transport = super()._new_transport()
         transport.TransactionManager = SourceBoundTransactions
-        transport.Consumer = ListedHighwatersConsumer
+        transport.Consumer = SeekSafeConsumer
         return transport
 
 
@@ -260,6 +382,9 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         the unit, so that other agents go on meanwhile; its result is handed to ``handle``.
         """
         async for event in stream.events():
+            if app.consumer.stale(event.message):  # fetched before a seek: it comes again
+                event.ack()
+                continue
             prepared = await prepare(event) if prepare is not None else None
             async with processing:
                 try:
