@@ -57,3 +57,33 @@ def processes_of(state_dir: Path) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def group_positions(settings, group: str = "tabloop-streams") -> dict:
+    """Every partition the group committed: (committed offset, the end a read_committed reader can reach)."""
+    from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel
+    from confluent_kafka.admin import OffsetSpec
+
+    from infra.bus import admin_client
+
+    admin = admin_client(settings)
+    committed = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
+                                                  request_timeout=10)[group].result(timeout=15)
+    parts = [tp for tp in committed.topic_partitions if tp.offset >= 0]
+    ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts},
+                              isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=10)
+    return {(k.topic, k.partition): (next(tp.offset for tp in parts if (tp.topic, tp.partition)
+                                          == (k.topic, k.partition)), f.result(timeout=15).offset)
+            for k, f in ends.items()}
+
+
+def stalled_partitions(settings, settle_s: float = 20.0) -> dict:
+    """The worker's input partitions whose committed offset did not move in ``settle_s`` although more
+    was there to read: with no new input only the worker's ticks (one per partition per second) arrive,
+    so every repartition partition must keep committing, and every event-log partition must be committed
+    to its end."""
+    first = group_positions(settings)
+    time.sleep(settle_s)
+    last = group_positions(settings)
+    return {tp: (first.get(tp), pos) for tp, pos in last.items()
+            if pos[0] < pos[1] and (tp not in first or first[tp][0] == pos[0] or not tp[0].startswith("tabloop-"))}

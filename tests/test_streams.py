@@ -18,6 +18,7 @@ from infra.bus import EventProducer, ensure_topics, read_topic
 from infra.settings import to_environ
 from schemas.events import new_event
 from tests.conftest import make_settings
+from tests.system_helpers import stalled_partitions
 
 # Long runs on a broker of their own (the session broker's topics hold other tests' events, which a
 # worker reading from the earliest offset would join too): `make drills`, not `make test`.
@@ -204,9 +205,11 @@ def test_sigkill_mid_stream_loses_nothing_and_doubles_nothing(kafka, tmp_path):
         collect(settings, before, len(expected), 1200, worker)
         time.sleep(LATENESS_S + IDLE_S + 3)
         episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+        stalled = stalled_partitions(settings)
     finally:
         stop(worker)
     assert check(episodes, before, expected) == 0  # none lost, none twice: the same topic as an uninterrupted run
+    assert stalled == {}  # the restarted worker commits every partition it reads (a stall: lag forever)
 
 
 def test_undecodable_input_goes_to_the_dead_letter_topic(kafka, tmp_path):
@@ -300,3 +303,45 @@ def test_judge_and_tests_scores_reach_the_episodes(kafka, tmp_path):
     assert untested_ep["reward"] == pytest.approx((0.5 * -0.25 + 0.3 * judge) / 0.8)
     assert got[f"unmatched-{cache_hit.event_id}"]["reward_components"] == {"acceptance": 0.75}  # nothing to judge
     assert len(api.requests) == 2
+
+
+@pytest.mark.timeout(1800)
+def test_kafka_outage_of_thirty_seconds_loses_nothing_and_the_worker_resumes(kafka, tmp_path):
+    """Stop the broker under the worker for 30 s mid-stream and start it again on the same data: every
+    expected episode comes out once and every partition commits again. A worker that gives up during the
+    outage may exit (its supervisor starts it again, as this test does); one that stays must rejoin."""
+    # Idle partitions close their windows by the wall clock after idle_close_s; an outage must not count as
+    # idle time (with 3 s, feedback still waiting for its completion would close as unmatched meanwhile).
+    idle_s = 90
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
+                             join_lateness_s=LATENESS_S, idle_close_s=idle_s)
+    ensure_topics(settings)
+    events, expected, _ = scenario(seed=13, n_completions=2000, n_feedback=2000)
+    before = episode_ids(settings)
+    worker, restarts = start_worker(settings, "streams-1.log"), 0
+    try:
+        with EventProducer(settings) as producer:
+            for e in events[: len(events) // 2]:
+                producer.publish(e)
+        collect(settings, before, len(expected) // 5, 300, worker)
+        kafka.stop()
+        time.sleep(30)
+        kafka.start()
+        with EventProducer(settings) as producer:
+            for e in events[len(events) // 2:]:
+                producer.publish(e)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            collect(settings, before, len(expected), deadline - time.monotonic(), worker)
+            if worker.poll() is None:
+                break
+            restarts += 1  # what the supervisor does with a worker that exited
+            worker = start_worker(settings, f"streams-{restarts + 1}.log")
+        time.sleep(LATENESS_S + idle_s + 3)
+        episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+        stalled = stalled_partitions(settings)
+    finally:
+        stop(worker)
+    print(f"worker restarts after the outage: {restarts}")
+    assert check(episodes, before, expected) == 0
+    assert stalled == {}
