@@ -199,9 +199,10 @@ class SeekSafeConsumer(AIOKafkaConsumer):
             target = self._seek_target.get(tp)
             log.info("dropped %s from offset %d, fetched before its latest seek; reading again from %s",
                      tp, first, target if target is not None else "the beginning")
-            if target is None:
+            if target is None:  # nothing committed yet: from the start, as auto_offset_reset says
                 await self.seek_to_beginning(tp)
                 self.seek_epoch[tp] += 1
+                dict.__setitem__(self._read_offset, tp, None)
             else:
                 await self.seek(tp, min(first, target))
 
