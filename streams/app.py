@@ -206,6 +206,28 @@ class SeekSafeConsumer(AIOKafkaConsumer):
             else:
                 await self.seek(tp, min(first, target))
 
+    # -- commits: never past a message still being processed ------------------------------------------
+
+    def _new_offset(self, tp):
+        """Faust's offset to commit, but never past a message of ``tp`` that is still in flight.
+
+        Faust lets a head gap of one offset pass (for compacted topics), so with an agent of
+        concurrency > 1 (the scoring stage) it could commit past the one message still being scored
+        while later ones were done; a crash then would lose that message (faust-streaming issue
+        606). Acks above the lowest in-flight offset are held back from this round."""
+        in_flight = [m.offset for m in self._unacked_messages if m.tp == tp]
+        if not in_flight:
+            return super()._new_offset(tp)
+        lowest, acked = min(in_flight), self._acked[tp]
+        later = [o for o in acked if o > lowest]
+        if not later:
+            return super()._new_offset(tp)
+        acked[:] = [o for o in acked if o < lowest]
+        try:
+            return super()._new_offset(tp) if acked else None
+        finally:
+            acked.extend(later)
+
     def stale_write(self, tp, offset) -> bool:
         """Whether writing ``offset`` as ``tp``'s read offset comes from a message fetched before its
         partition's latest seek (the fetch loop writes the offset of each message it handed on)."""

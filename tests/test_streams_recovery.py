@@ -1,4 +1,5 @@
-"""The streams worker restores its tables after a Kafka restart: changelog highwaters are asked of the broker."""
+"""The streams worker's consumer: it restores its tables after a Kafka restart (changelog highwaters are
+asked of the broker), and never commits past a message still being processed."""
 
 from __future__ import annotations
 
@@ -57,3 +58,35 @@ def test_highwaters_of_unfetched_changelog_partitions_are_known_under_exactly_on
     assert list(stock.values()) in ([None], [-1])  # what made Faust skip the restore
     app = build_app(settings)
     assert isinstance(app.consumer._thread, ListedHighwatersThread)  # the worker's consumer uses ours
+
+
+class _InFlight:
+    """A message as the consumer tracks it between a stream taking it and its ack."""
+
+    def __init__(self, tp, offset: int):
+        self.tp, self.offset = tp, offset
+
+
+def test_commits_never_pass_a_message_still_being_scored(tmp_path):
+    """Committed 10, 11–13 scored and acked, 10 still with the judge (the scoring stage runs several at
+    once): Faust alone would commit 14 (it lets a head gap of one pass), and a crash would lose 10."""
+    from faust.transport.drivers.aiokafka import Consumer as FaustAIOKafkaConsumer
+    from faust.types import TP
+
+    app = build_app(make_settings(tmp_path, kafka_bootstrap="127.0.0.1:1"))
+    consumer = app.consumer
+    tp = TP("tabloop-streams-to-score", 0)
+    consumer._committed_offset[tp] = 10
+    consumer._acked[tp].extend([11, 12, 13])
+    at_judge = _InFlight(tp, 10)
+    consumer._unacked_messages.add(at_judge)
+    assert consumer._new_offset(tp) is None
+    assert sorted(consumer._acked[tp]) == [11, 12, 13]  # held back, not forgotten
+    consumer._unacked_messages.add(_InFlight(TP("tabloop-streams-to-score", 1), 3))  # another partition's
+    consumer._unacked_messages.discard(at_judge)
+    consumer._acked[tp].append(10)
+    assert consumer._new_offset(tp) == 14
+    # What Faust's own rule does with the same state:
+    consumer._committed_offset[tp] = 10
+    consumer._acked[tp][:] = [11, 12, 13]
+    assert FaustAIOKafkaConsumer._new_offset(consumer, tp) == 14
