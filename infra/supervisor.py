@@ -247,7 +247,8 @@ def _answer_kafka_probes(conn, settings: Settings) -> None:
     from infra.bus import admin_client
 
     admin = admin_client(settings)
-    questions = {"group_members": _group_members, "lag": _group_lag}
+    questions = {"group_members": _group_members,
+                 "lag": lambda admin, group: _group_lag(admin, group, settings)}
     while True:
         try:
             question, args = conn.recv()
@@ -266,9 +267,14 @@ def _group_members(admin, group: str) -> tuple[bool, set[str]]:
     return desc.state == ConsumerGroupState.STABLE, {m.member_id for m in desc.members}
 
 
-def _group_lag(admin, group: str) -> int | None:
-    """A worker's internal topics are left out: Faust commits just before a transaction's commit marker,
-    so an idle worker would show one per partition."""
+def _group_lag(admin, group: str, settings: Settings | None = None) -> int | None:
+    """Records of the event log (the catalog's topics) the group has not committed yet.
+
+    A worker's internal topics are left out (the worker's own business). A partition written in
+    transactions ends with a commit marker that no reader ever gets, and a reader commits the offset
+    after the last record it processed, which is the marker's: so where a partition's end is only a
+    few offsets past the commit, the records a read_committed reader would actually get there are
+    counted (``_readable``) — an idle trainer shows 0, not one per partition."""
     from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel
     from confluent_kafka.admin import OffsetSpec
 
@@ -284,13 +290,52 @@ def _group_lag(admin, group: str) -> int | None:
         # read_committed: the end a transactional reader can reach (Faust writes in transactions).
         ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts},
                                   isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=3)
-        total = 0
+        behind = {}
         for tp in parts:
             end = next(f for k, f in ends.items() if (k.topic, k.partition) == (tp.topic, tp.partition))
-            total += max(0, end.result(timeout=5).offset - tp.offset)
-        return total
+            behind[(tp.topic, tp.partition)] = (tp.offset, end.result(timeout=5).offset)
+        near = {k: span for k, span in behind.items() if 0 < span[1] - span[0] <= MARKER_SLACK}
+        counted = _readable(settings, near) if near and settings is not None else {}
+        return sum(counted.get(k, max(0, end - start)) for k, (start, end) in behind.items())
     except Exception:
         return None
+
+
+MARKER_SLACK = 10  # spans this short are read to count their records exactly (commit markers are not records)
+
+
+def _readable(settings: Settings, spans: dict[tuple[str, int], tuple[int, int]],
+              timeout_s: float = 3.0) -> dict[tuple[str, int], int]:
+    """For each (topic, partition): how many records a read_committed reader gets in [start, end)."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    reader = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "tabloop-lag-probe",
+                       "enable.auto.commit": False, "isolation.level": "read_committed",
+                       "enable.partition.eof": True})
+    try:
+        reader.assign([TopicPartition(t, p, start) for (t, p), (start, _) in spans.items()])
+        counts, reading = dict.fromkeys(spans, 0), set(spans)
+        deadline = time.monotonic() + timeout_s
+        while reading and time.monotonic() < deadline:
+            m = reader.poll(0.2)
+            if m is None:
+                continue
+            key = (m.topic(), m.partition())
+            if key not in reading:
+                continue
+            if m.error():
+                if m.error().code() == KafkaError._PARTITION_EOF:
+                    reading.discard(key)
+                continue
+            end = spans[key][1]
+            counts[key] += m.offset() < end
+            if m.offset() + 1 >= end:
+                reading.discard(key)
+        for key in reading:  # no answer in time: count the whole span, as without this check
+            counts[key] = spans[key][1] - spans[key][0]
+        return counts
+    finally:
+        reader.close()
 
 
 # -- the supervisor ------------------------------------------------------------------------------

@@ -105,6 +105,48 @@ def test_children_are_logged_prefixed_restarted_with_back_off_and_stopped(kafka,
 
 
 @pytest.mark.kafka
+def test_lag_does_not_count_commit_markers(kafka, tmp_path):
+    """Episodes are written in transactions: each ends with a commit marker no reader gets. A reader that
+    committed after its last record is caught up (lag 0), and records it has not read count one each."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from infra.bus import ensure_topics
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    ensure_topics(settings)
+    group = f"lag-{os.getpid()}-{tmp_path.name}"
+    writer = Producer({"bootstrap.servers": settings.kafka_bootstrap, "transactional.id": group})
+    writer.init_transactions(30)
+
+    def write_transaction(n: int) -> None:
+        writer.begin_transaction()
+        for i in range(n):
+            writer.produce(EPISODES.name, value=f"{group}-{i}".encode(), partition=0)
+        writer.commit_transaction(30)
+
+    write_transaction(3)
+    reader = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": group,
+                       "enable.auto.commit": False, "isolation.level": "read_committed"})
+    probes = sv.Probes(settings)
+    try:
+        end = reader.get_watermark_offsets(TopicPartition(EPISODES.name, 0), timeout=10)[1]
+        reader.assign([TopicPartition(EPISODES.name, 0, end - 4)])  # the 3 records and their marker
+        got = [m for m in (reader.poll(10) for _ in range(3)) if m is not None and not m.error()]
+        assert [m.value() for m in got] == [f"{group}-{i}".encode() for i in range(3)]
+        reader.commit(message=got[-1], asynchronous=False)  # offset after the last record: the marker's
+
+        def answered_lag():  # "unknown" (None) until the probe process is connected
+            return _wait(lambda: [n for n in [probes.lag(group)] if n is not None], 30, "an answer")[0]
+
+        assert answered_lag() == 0
+        write_transaction(2)
+        assert answered_lag() == 2
+    finally:
+        reader.close()
+        probes.close()
+
+
+@pytest.mark.kafka
 def test_kafka_probes_run_in_a_process_whose_death_the_caller_survives(kafka, tmp_path):
     """librdkafka aborts the process when the broker goes away during a coordinator request; the supervisor
     asks in a child process instead, so an abort there (here: SIGABRT, and a child that hangs) costs one answer."""
