@@ -44,6 +44,9 @@ class JoinConfig:
     """Unmatched and cache-hit feedback become off-policy episodes (matched=false), or are dropped."""
     idle_close_ms: int = 5 * 60_000
     """A partition with no new events closes windows by the wall clock minus this much."""
+    finish_slack_ms: int = 1_000
+    """How long before its completion's ``served_at`` feedback may be received: ``served_at`` is when the
+    response *finished*, and a fast client decides on the last chunk before the front door stamps it."""
 
     @classmethod
     def from_settings(cls, settings) -> "JoinConfig":
@@ -102,7 +105,7 @@ class PromptMatcher:
         shown = fb.get("completion")
         best = None
         for c in self.candidates.get(k, ()):
-            if not at - self.config.match_window_ms <= c["served_at"] <= at:
+            if not at - self.config.match_window_ms <= c["served_at"] <= at + self.config.finish_slack_ms:
                 continue
             if shown is not None and not c["text"].startswith(shown):
                 continue

@@ -75,6 +75,18 @@ def test_other_user_or_outside_the_window_does_not_match():
     assert all(e.record["policy_version"] is None and e.record["completion_token_ids"] == [] for e in eps)
 
 
+def test_feedback_a_moment_before_its_completion_was_stamped_still_matches():
+    """served_at is when the response finished; a client that decides on the last chunk can report a few
+    milliseconds earlier (seen during a Kafka outage, when the front door stamps after spooling)."""
+    events = [("f", feedback(1000, client_id="fast")), ("c", completion("c1", 1001)),
+              ("f", feedback(20_000, client_id="too-early", prompt="q")),  # more than the slack before c2
+              ("c", completion("c2", 20_000 + 1_001, prompt="q")), ("c", completion("tick", 200_000))]
+    eps, counts = run(events, JoinConfig(max_lateness_ms=10_000))
+    assert {(e.record["completion_id"], e.record["matched"]) for e in eps} >= {("c1", True)}
+    assert [e.record["matched"] for e in eps if e.record["feedback_event_id"] == "fb-20000-ACCEPTED-too-early"] \
+        == [False]
+
+
 def test_duplicates_yield_one_episode():
     events = [("c", completion("c1", 0)), ("f", feedback(100, client_id="k1", eid="e1")),
               ("f", feedback(100, client_id="k1", eid="e2")),  # Continue reported the same decision twice
