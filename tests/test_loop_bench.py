@@ -107,3 +107,50 @@ def test_versions_to_evaluate_keeps_the_base_and_the_last():
     assert versions_to_evaluate([1, 2, 3, 4], 3) == [0, 2, 4]
     picked = versions_to_evaluate(list(range(1, 41)), 12)
     assert len(picked) == 12 and picked[0] == 0 and picked[-1] == 40
+
+
+def test_bench_settings_turn_unanswered_completions_into_ignored_episodes(tmp_path):
+    from tests.conftest import make_settings
+    from trainer.loop_bench import LoopBenchConfig, bench_settings
+
+    base = make_settings(tmp_path)
+    on = bench_settings(base, LoopBenchConfig(ignored_ttl_s=15.0), tmp_path / "s", "m")
+    assert (on.emit_ignored, on.completion_ttl_s) == (True, 15.0)
+    assert on.idle_close_s <= 5.0  # a quiet partition still closes its completions soon after the TTL
+    assert on.rate_limit_per_minute >= 100_000  # the users share open auth's one bucket
+    assert on.trainer_max_staleness == LoopBenchConfig().max_staleness
+    off = bench_settings(base, LoopBenchConfig(ignored_ttl_s=None), tmp_path / "s", "m")
+    assert (off.emit_ignored, off.completion_ttl_s, off.idle_close_s) == (
+        base.emit_ignored, base.completion_ttl_s, base.idle_close_s)
+    with pytest.raises(ValueError, match="ignored_ttl_s"):
+        LoopBenchConfig(ignored_ttl_s=0.0)
+    with pytest.raises(ValueError, match="abandon_share"):
+        LoopBenchConfig(abandon_share=1.0)
+
+
+def test_episode_outcomes_count_one_project_and_the_empty_ignored_ones():
+    from trainer.loop_bench import episode_outcomes
+
+    eps = [{"project_id": "p", "outcome": "ACCEPTED", "completion_text": "x"},
+           {"project_id": "p", "outcome": "REJECTED", "completion_text": "y = 1"},
+           {"project_id": "p", "outcome": "IGNORED", "completion_text": ""},
+           {"project_id": "p", "outcome": "IGNORED", "completion_text": "  \n"},
+           {"project_id": "p", "outcome": "IGNORED", "completion_text": "abandoned start"},
+           {"project_id": "other", "outcome": "IGNORED", "completion_text": ""}]
+    assert episode_outcomes(eps, "p") == {"ACCEPTED": 1, "REJECTED": 1, "PARTIAL": 0, "IGNORED": 3,
+                                          "ignored_empty": 2}
+
+
+def test_trainer_figures_take_each_promoted_version_of_the_base_once():
+    from trainer.loop_bench import trainer_figures
+
+    def rec(version, status, base="m", **metrics):
+        return {"version": version, "status": status, "base_model": base, "metrics": metrics}
+
+    records = [rec(0, "PROMOTED"), rec(2, "CANDIDATE", policy_loss=9.0), rec(1, "PROMOTED", reward_mean=-0.25,
+               policy_loss=0.0), rec(2, "PROMOTED", reward_mean=-0.1, accept_rate=0.1, policy_loss=0.0123456789),
+               rec(2, "ROLLED_BACK", policy_loss=5.0), rec(3, "PROMOTED", base="other", policy_loss=1.0)]
+    figs = trainer_figures(records, "m")
+    assert [f["version"] for f in figs] == [1, 2]
+    assert figs[0]["policy_loss"] == 0.0 and figs[0]["accept_rate"] is None
+    assert (figs[1]["reward_mean"], figs[1]["accept_rate"], figs[1]["policy_loss"]) == (-0.1, 0.1, 0.012346)

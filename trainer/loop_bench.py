@@ -6,7 +6,11 @@ What runs (nothing is a stand-in):
 2. the supervisor `tabloop up` runs (``infra.supervisor.Supervisor``): the front
    door, the streams worker, the online trainer and the history sink, each a
    child process, with settings that make the trainer publish a version per
-   policy update;
+   policy update, and a join that turns a completion left without feedback
+   for ``--ignored-ttl`` seconds into an IGNORED episode (reward 0): an empty
+   suggestion is never shown and never answered, and these episodes are what
+   lets the trainer compare "showed nothing" with "showed something rejected"
+   (with rejects alone every reward is equal and every advantage 0);
 3. simulated Continue users (``trainer.simulate``) on the standard library's
    *train* split for ``--minutes``: real streamed completions, real accept /
    reject decisions, feedback through all three routes;
@@ -28,6 +32,10 @@ online come along as ``online``.
 the first completion served by a trained version (the front door's
 ``X-Tabloop-Policy-Version`` ≥ 1, as the simulator recorded it). Version 1 is
 trained on the first batch of episodes, which holds the first feedback.
+
+Also in the result: ``episodes`` (the join's episodes of the users' project by outcome, and how many
+IGNORED ones were empty suggestions) and ``updates`` (per promoted version: the batch's mean reward,
+accept rate and policy loss, from its WeightVersion's metrics).
 
 Everything the figures come from is written to ``--out``: ``requests.jsonl``
 (each simulated request), ``heldout.jsonl`` (each held-out completion, its
@@ -56,6 +64,7 @@ FIGURES = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "re
 GOAL_ACCEPT_RATE_GAIN = 0.28
 GOAL_SHOWN_DROP = 0.20
 GOAL_FEEDBACK_TO_POLICY_S = 60.0
+SIM_PROJECT = "bench-loop"
 
 
 @dataclass(frozen=True)
@@ -84,12 +93,28 @@ class LoopBenchConfig:
     """0: greedy, as Continue's 0.01 nearly is."""
     healthy_timeout_s: float = 600.0
     keep_state: bool = False
+    abandon_share: float = 0.15
+    """Share of requests a user types past and drops after the first chunk (the simulator's default). Such a
+    completion gets no feedback, so with ``ignored_ttl_s`` it becomes an IGNORED episode: reward 0, above a
+    reject, for text no user decided on; 0 keeps IGNORED episodes to suggestions that showed nothing."""
+    max_staleness: int = 16
+    """The trainer drops episodes from policies this many versions older: a version per update comes every
+    few seconds, and an IGNORED episode arrives ``ignored_ttl_s`` after serving."""
+    ignored_ttl_s: float | None = 15.0
+    """A served completion with no feedback this long becomes an IGNORED episode (reward ``ignored``, 0):
+    an empty suggestion is never shown, so no feedback ever comes for it, and without these episodes the
+    trainer never sees the outcome "showed nothing" to compare a reject with. None: no IGNORED episodes
+    (the join's default, as Cursor's spec leaves them out)."""
 
     def __post_init__(self) -> None:
         if self.minutes <= 0:
             raise ValueError(f"minutes must be positive, got {self.minutes}")
         if self.users < 1 or self.heldout < 1:
             raise ValueError("users and heldout must be at least 1")
+        if not 0 <= self.abandon_share < 1:
+            raise ValueError(f"abandon_share must be in [0, 1), got {self.abandon_share}")
+        if self.ignored_ttl_s is not None and self.ignored_ttl_s <= 0:
+            raise ValueError(f"ignored_ttl_s must be positive or None, got {self.ignored_ttl_s}")
         if self.rule not in ("exact", "similarity"):
             raise ValueError(f"the loop bench's users decide by exact or similarity, got {self.rule!r} "
                              "(the standard library's tasks have no tests)")
@@ -154,6 +179,33 @@ def feedback_to_policy_s(records: Iterable[dict]) -> float | None:
     if not sent or not trained:
         return None
     return round(min(trained) - min(sent), 2)
+
+
+def episode_outcomes(episodes: Iterable[dict], project: str) -> dict:
+    """How the join labelled ``project``'s episodes: count per outcome, and how many IGNORED ones were
+    empty suggestions (nothing to show; the case that teaches "show less")."""
+    counts = {"ACCEPTED": 0, "REJECTED": 0, "PARTIAL": 0, "IGNORED": 0, "ignored_empty": 0}
+    for ep in episodes:
+        if ep["project_id"] != project:
+            continue
+        counts[ep["outcome"]] = counts.get(ep["outcome"], 0) + 1
+        if ep["outcome"] == "IGNORED" and not (ep.get("completion_text") or "").strip():
+            counts["ignored_empty"] += 1
+    return counts
+
+
+def trainer_figures(weight_records: Iterable[dict], base_model: str) -> list[dict]:
+    """Per promoted version, what its updates saw and did (the metrics its WeightVersion carries): mean
+    reward and accept rate of the batch, and the policy loss (0 when every advantage was 0)."""
+    out: dict[int, dict] = {}
+    for r in weight_records:
+        if r["base_model"] != base_model or r["version"] == 0 or r["status"] != "PROMOTED":
+            continue
+        m = r.get("metrics") or {}
+        out.setdefault(r["version"], {"version": r["version"], **{
+            k: round(m[k], 6) if k in m else None for k in ("reward_mean", "accept_rate", "policy_loss",
+                                                              "approx_kl", "staleness_mean")}})
+    return [out[v] for v in sorted(out)]
 
 
 def goal(first: dict, last: dict, to_policy_s: float | None) -> dict:
@@ -231,7 +283,17 @@ def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: s
         "trainer_batch_wait_s": config.batch_wait_s, "trainer_save_every": 1, "trainer_lr": config.lr,
         "trainer_warmup_updates": 0, "trainer_lora_rank": config.lora_rank, "trainer_full_finetune": False,
         "auto_promote": True, "canary_share": 0.0, "exploration_temperature": config.exploration_temperature,
+        # With open auth every user shares one rate-limit bucket; a refused feedback would turn a decision
+        # into an IGNORED episode, so the limiter (not what this bench measures) stays out of the way.
+        "rate_limit_per_minute": max(base.rate_limit_per_minute, 100_000),
+        "trainer_max_staleness": config.max_staleness,
     }
+    if config.ignored_ttl_s is not None:
+        # The join closes a completion as IGNORED once its partition's event time passes served_at + TTL;
+        # the users' traffic moves event time on, and a partition idle for idle_close_s follows the wall
+        # clock, so the IGNORED episodes reach the trainer about TTL seconds after serving.
+        update.update(emit_ignored=True, completion_ttl_s=config.ignored_ttl_s,
+                      idle_close_s=min(base.idle_close_s, 5.0))
     return base.model_copy(update=update)
 
 
@@ -248,8 +310,9 @@ def resolve_model(base, model: str) -> str:
 def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
                    log: Callable[[str], None] | None = None) -> dict:
     from infra import supervisor as sv
-    from infra.bus import ensure_topics
+    from infra.bus import ensure_topics, read_topic
     from infra.kafka_broker import LocalKafka
+    from schemas.topics import EPISODES
     from streams.rewards import RewardSpec
     from trainer.evaluate import evaluate, load_policy
     from trainer.simulate import SimConfig, Simulation, UserModel, records_jsonl
@@ -285,7 +348,8 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
             completions_url=f"http://127.0.0.1:{settings.completions_port}",
             feedback_url=f"http://127.0.0.1:{settings.feedback_port}", users=config.users, requests=None,
             duration_s=config.minutes * 60, rule=config.rule, threshold=config.threshold,
-            max_tokens=config.max_tokens, seed=config.seed, project="bench-loop", progress_every_s=30)
+            max_tokens=config.max_tokens, seed=config.seed, project=SIM_PROJECT, progress_every_s=30,
+            abandon_share=config.abandon_share)
         import asyncio
 
         report = asyncio.run(Simulation(train, sim_config, log=say).run())
@@ -298,6 +362,11 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
 
         weight_records = read_weight_records(settings)
         published = _published(weight_records, model_spec)
+        outcomes = episode_outcomes((r.event.record for r in read_topic(settings, EPISODES.name)
+                                     if r.event is not None), SIM_PROJECT)
+        trained = trainer_figures(weight_records, model_spec)
+        say(f"bench loop: episodes {outcomes}; updates with a non-zero loss: "
+            f"{sum(1 for t in trained if t['policy_loss'])} of {len(trained)}")
         say(f"bench loop: versions published: {sorted(published) or 'none'}; evaluating each on held-out tasks")
         user_model, spec = UserModel(config.rule, config.threshold), RewardSpec()
         versions, rows_all = [], []
@@ -351,7 +420,10 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
             "requests", "completed", "abandoned", "errors", "shown", "accepted", "feedback_sent", "feedback_errors",
             "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms")},
         "trainer": {"batch_size": config.batch_size, "lr": config.lr, "lora_rank": config.lora_rank,
-                    "exploration_temperature": config.exploration_temperature},
+                    "exploration_temperature": config.exploration_temperature,
+                    "max_staleness": config.max_staleness},
+        "abandon_share": config.abandon_share,
+        "episodes": outcomes, "updates": trained, "ignored_ttl_s": config.ignored_ttl_s,
         "eval_temperature": config.eval_temperature, "versions_published": len(published),
         "wall_s": round(time.monotonic() - started, 1),
         "files": {name: str(out_dir / name) for name in
@@ -434,6 +506,14 @@ def _click():
     @click.option("--max-evals", type=click.IntRange(min=2), default=None,
                   help="Evaluate at most this many versions: 0, the last, and evenly spaced ones (default: all).")
     @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+    @click.option("--abandon-share", type=click.FloatRange(0, 1, max_open=True), default=0.15, show_default=True,
+                  help="Share of requests a user types past and drops after the first chunk (no feedback: with "
+                       "--ignored-ttl they become IGNORED episodes with reward 0).")
+    @click.option("--max-staleness", type=click.IntRange(min=0), default=16, show_default=True,
+                  help="The trainer drops episodes from policies this many versions older.")
+    @click.option("--ignored-ttl", type=click.FloatRange(min=0), default=15.0, show_default=True,
+                  help="Seconds after which a served completion with no feedback (an empty suggestion, never "
+                       "shown) becomes an IGNORED episode with reward 0; 0: no IGNORED episodes.")
     @click.option("--seed", type=int, default=0, show_default=True)
     @click.option("--quick", is_flag=True, help="A short smoke run (2 minutes, 2 users, 16 held-out tasks).")
     @click.option("--keep-state", is_flag=True, help="Keep the bench's state dir (Kafka data, weights, logs).")
@@ -441,8 +521,9 @@ def _click():
                   help="Where loop.json, loop.png and the recorded requests go.")
     @click.pass_context
     def bench_loop(ctx, minutes, users, model, heldout, train_limit, rule, threshold, batch_size, lr, lora_rank,
-                   exploration_temperature, eval_temperature, max_evals, max_tokens, seed, quick, keep_state,
-                   out_dir) -> None:
+                   exploration_temperature, eval_temperature, max_evals, max_tokens, abandon_share, max_staleness,
+                   ignored_ttl, seed, quick,
+                   keep_state, out_dir) -> None:
         """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
         split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
         from infra.cli import TabloopError
@@ -458,7 +539,9 @@ def _click():
             config = LoopBenchConfig(**chosen, model=model, train_limit=train_limit, rule=rule, threshold=threshold,
                                      lr=lr, lora_rank=lora_rank, exploration_temperature=exploration_temperature,
                                      eval_temperature=eval_temperature, max_evals=max_evals,
-                                     max_tokens=max_tokens, seed=seed, keep_state=keep_state)
+                                     max_tokens=max_tokens, seed=seed, keep_state=keep_state,
+                                     abandon_share=abandon_share, max_staleness=max_staleness,
+                                     ignored_ttl_s=ignored_ttl or None)
             result = run_loop_bench(ctx.find_root().obj, config, Path(out_dir))
         except (ValueError, RuntimeError, KafkaLaunchError, ModelLoadError) as exc:
             raise TabloopError(str(exc)) from None
