@@ -137,6 +137,28 @@ def test_versions_offsets_staleness_and_resume(setup):
     assert any((log_dir / "tensorboard").iterdir())
 
 
+def test_episodes_that_are_all_dropped_are_committed_without_a_version(setup):
+    """Nothing to train (here: episodes with no text at all), so no version: their offsets are committed
+    anyway once the trainer is idle, and its group's lag says it is caught up."""
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    empty = [new_event("Episode", completion_id=f"cmpl-empty-{i}", project_id="acme", user_id="u",
+                       policy_version=0, prompt="def f(x):\n", completion_text="", completion_token_ids=[],
+                       behaviour_logprobs=[], outcome="REJECTED", reward=-0.25,
+                       reward_components={"acceptance": -0.25}, scorer="acceptance", matched=False)
+             for i in range(5)]
+    produce(settings, topic, empty)
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(idle_exit_s=8)
+        assert trainer.progress.dropped == {"empty": 5}
+    finally:
+        trainer.close()
+    assert WeightStore(settings.effective_weight_store, base).versions() == []
+    assert committed(settings, topic) == {p: o for p, o in end_offsets(settings, topic).items() if o}
+
+
 def test_unannounced_version_is_published_on_restart(setup):
     """A crash after the manifest but before the WeightVersion: the next start announces it."""
     from trainer.online import OnlineTrainer

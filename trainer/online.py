@@ -112,6 +112,7 @@ class OnlineTrainer:
         baseline = _baseline_from(latest) if latest is not None else BaselineState.empty()
         self.baseline = baseline
         self.pending = Pending()
+        self._tail_committed: dict[str, int] = {}  # offsets committed past dropped episodes (no version)
         self.producer = EventProducer(settings, client_id="tabloop-trainer")
         self.codec = make_codec(settings)
         self.weight_records: list[dict] = []
@@ -230,6 +231,8 @@ class OnlineTrainer:
                         published += self._update_and_maybe_save(episodes)
                 if self.pending.samples and time.monotonic() - self.pending.first_at >= self.settings.trainer_batch_wait_s:
                     published += self._update_and_maybe_save(episodes)
+                if not batch:
+                    self._commit_dropped_tail(episodes)
                 self._judge_canary()
                 if max_versions is not None and published >= max_versions:
                     return
@@ -249,6 +252,19 @@ class OnlineTrainer:
         self.metrics_file.close()
         logging.getLogger("tabloop").removeHandler(self._file_log)
         self._file_log.close()
+
+    def _commit_dropped_tail(self, consumer: Consumer) -> None:
+        """When the episodes consumed since the last version were all dropped (stale, empty …), there is
+        nothing to save, so no version commits them: commit their offsets, or the group's lag never says
+        the trainer is caught up. A restart still starts from the last manifest's offsets and drops them
+        again; nothing trained or pending is ever passed (an update not yet saved holds this back)."""
+        p = self.progress
+        if self.pending.samples or p.update_metrics or not p.consumed or p.offsets == self._tail_committed:
+            return
+        consumer.commit(offsets=[TopicPartition(self.topic, int(part), off) for part, off in p.offsets.items()],
+                        asynchronous=False)
+        self._tail_committed = dict(p.offsets)
+        log.info("committed %d dropped episodes (%s) with no version to save", p.consumed, p.dropped)
 
     def _take(self, received) -> None:
         """One consumed message: a pending sample, or a counted drop."""
