@@ -125,6 +125,50 @@ def test_sink_waits_out_topics_that_do_not_exist_yet(kafka_settings, tmp_path):
         sink.close()
 
 
+def test_a_fenced_sink_ends_instead_of_waiting_forever(kafka_settings, tmp_path):
+    """Two sinks on one store share a static group member id: the newer fences the older, whose consumer
+    librdkafka then gives up on for good (seen after a Kafka outage, when a sink's rejoin fenced itself).
+    The older one's run() ends with an error naming it, so that its supervisor starts a new one."""
+    from streams.history import HistoryError
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka_settings.kafka_bootstrap, history_batch_interval_s=0.2)
+    tag = uuid.uuid4().hex[:8]
+    topics = scratch_topics(settings, tag)
+    produce(settings, topics, 200, seed=9)
+    store = new_store()
+    older = HistorySink(settings, store, topics, group_id=f"fenced-{tag}")
+    failure: list[BaseException] = []
+
+    def run_older() -> None:
+        try:
+            older.run(stop)
+        except HistoryError as exc:
+            failure.append(exc)
+
+    stop = threading.Event()
+    runner = threading.Thread(target=run_older)
+    runner.start()
+    newer = None
+    try:
+        deadline = time.monotonic() + 60
+        while sum(store.count(t) for t in EVENT_FOR_TABLE) < 200:
+            assert time.monotonic() < deadline, "the first sink did not store"
+            time.sleep(0.2)
+        newer = HistorySink(settings, store, topics, group_id=f"fenced-{tag}")
+        produce(settings, topics, 50, seed=10)
+        deadline = time.monotonic() + 120
+        while runner.is_alive() and time.monotonic() < deadline:
+            newer.step()
+        assert not runner.is_alive(), "the fenced sink went on waiting"
+        assert failure and "failed for good" in str(failure[0]), failure
+    finally:
+        stop.set()
+        runner.join(30)
+        older.close()
+        if newer is not None:
+            newer.close()
+
+
 def test_bad_topic_table_is_refused(kafka_settings, tmp_path):
     from streams.history import HistoryError
 
