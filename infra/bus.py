@@ -64,6 +64,14 @@ def _client_config(settings: Settings) -> dict:
     return {"bootstrap.servers": settings.kafka_bootstrap, "logger": log}
 
 
+def gave_up(exc: KafkaException) -> bool:
+    """Whether librdkafka has given this client up for good (a fatal error, e.g. a static group member
+    fenced by its own rejoin): it never works again, so waiting the error out is pointless; only a new
+    client (a restart) helps."""
+    error = exc.args[0] if exc.args else None
+    return isinstance(error, KafkaError) and (error.fatal() or error.code() == KafkaError._FATAL)
+
+
 def broker_answers(settings: Settings, timeout_s: float = 2.0) -> bool:
     """Does a broker at the configured bootstrap answer a metadata request?"""
     # log_level 0: a broker that is down is the answer here, not an error to log.

@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Mapping
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaException
 
+from infra.bus import gave_up
 from infra.settings import Settings
 from schemas.events import EVENT_TYPES, EventType
 from schemas.topics import CATALOG
@@ -447,12 +448,6 @@ class SinkStats:
                 "commit_failures": self.commit_failures, "uncommitted_rows": self.uncommitted_rows}
 
 
-def _fatal(exc: KafkaException) -> bool:
-    """librdkafka has given up on this client: it will not work again."""
-    error = exc.args[0] if exc.args else None
-    return isinstance(error, KafkaError) and (error.fatal() or error.code() == KafkaError._FATAL)
-
-
 class HistorySink:
     """Consumes topics into the store: batched inserts, offsets committed after each stored batch."""
 
@@ -559,7 +554,7 @@ class HistorySink:
             # Stored but not committed: the next batch's commit covers these offsets, and if none comes
             # before a restart, the restarted sink finds them stored and skips them.
             self.stats.commit_failures += 1
-            if _fatal(exc):
+            if gave_up(exc):
                 raise
             log.warning("offsets of a stored batch not committed (%s); a later commit covers them", exc)
         self.stats.batches += 1
@@ -573,7 +568,7 @@ class HistorySink:
             try:
                 n = self.step(stop)
             except KafkaException as exc:
-                if _fatal(exc):
+                if gave_up(exc):
                     # A consumer librdkafka has given up on (e.g. fenced by its own rejoin after a broker
                     # outage) never consumes again: end, so that a restart begins with a new one. Nothing
                     # is lost: what was stored and not committed is found stored and skipped.
