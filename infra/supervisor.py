@@ -248,7 +248,7 @@ def _answer_kafka_probes(conn, settings: Settings) -> None:
 
     admin = admin_client(settings)
     questions = {"group_members": _group_members,
-                 "lag": lambda admin, group: _group_lag(admin, group, settings)}
+                 "lag": lambda admin, group: _group_lag(admin, settings, group)}
     while True:
         try:
             question, args = conn.recv()
@@ -267,7 +267,7 @@ def _group_members(admin, group: str) -> tuple[bool, set[str]]:
     return desc.state == ConsumerGroupState.STABLE, {m.member_id for m in desc.members}
 
 
-def _group_lag(admin, group: str, settings: Settings | None = None) -> int | None:
+def _group_lag(admin, settings: Settings, group: str) -> int | None:
     """Records of the event log (the catalog's topics) the group has not committed yet.
 
     A worker's internal topics are left out (the worker's own business). A partition written in
@@ -295,7 +295,7 @@ def _group_lag(admin, group: str, settings: Settings | None = None) -> int | Non
             end = next(f for k, f in ends.items() if (k.topic, k.partition) == (tp.topic, tp.partition))
             behind[(tp.topic, tp.partition)] = (tp.offset, end.result(timeout=5).offset)
         near = {k: span for k, span in behind.items() if 0 < span[1] - span[0] <= MARKER_SLACK}
-        counted = _readable(settings, near) if near and settings is not None else {}
+        counted = _readable(settings, near) if near else {}
         return sum(counted.get(k, max(0, end - start)) for k, (start, end) in behind.items())
     except Exception:
         return None
