@@ -45,7 +45,6 @@ decision and reward), ``loop.json`` (the result, also the last stdout line),
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 import sys
@@ -136,7 +135,7 @@ def heldout_rows(version: int, tasks: Sequence, completions: Sequence[str], user
     for task, completion in zip(tasks, completions):
         shown = shown_text(completion, single_line=single_line_mode(task.prefix))
         accepted = shown is not None and user_model.accepts(task, shown)
-        outcome = "IGNORED" if shown is None else ("ACCEPTED" if accepted else "REJECTED")
+        outcome = _outcome(shown, accepted)
         rows.append({"version": version, "task_id": task.task_id, "completion": completion, "shown": shown,
                      "accepted": accepted, "accepted_chars": len(shown) if accepted else 0, "outcome": outcome,
                      "reward": acceptance_reward(spec, outcome), "reference": task.middle})
@@ -197,15 +196,21 @@ def episode_outcomes(episodes: Iterable[dict], project: str) -> dict:
 def trainer_figures(weight_records: Iterable[dict], base_model: str) -> list[dict]:
     """Per promoted version, what its updates saw and did (the metrics its WeightVersion carries): mean
     reward and accept rate of the batch, and the policy loss (0 when every advantage was 0)."""
+    out = []
+    for version, record in sorted(_first_promotions(weight_records, base_model).items()):
+        m = record.get("metrics") or {}
+        out.append({"version": version, **{k: round(m[k], 6) if k in m else None for k in (
+            "reward_mean", "accept_rate", "policy_loss", "approx_kl", "staleness_mean")}})
+    return out
+
+
+def _first_promotions(weight_records: Iterable[dict], base_model: str) -> dict[int, dict]:
+    """Each trained version of ``base_model`` (not 0) → the WeightVersion record that first promoted it."""
     out: dict[int, dict] = {}
     for r in weight_records:
-        if r["base_model"] != base_model or r["version"] == 0 or r["status"] != "PROMOTED":
-            continue
-        m = r.get("metrics") or {}
-        out.setdefault(r["version"], {"version": r["version"], **{
-            k: round(m[k], 6) if k in m else None for k in ("reward_mean", "accept_rate", "policy_loss",
-                                                              "approx_kl", "staleness_mean")}})
-    return [out[v] for v in sorted(out)]
+        if r["base_model"] == base_model and r["version"] != 0 and r["status"] == "PROMOTED":
+            out.setdefault(r["version"], r)
+    return out
 
 
 def goal(first: dict, last: dict, to_policy_s: float | None) -> dict:
@@ -225,6 +230,11 @@ def goal(first: dict, last: dict, to_policy_s: float | None) -> dict:
     return {"accept_rate_rel_change": accept_gain, "shown_share_rel_change": shown_change,
             "accepted_chars_change": None if chars_last is None or chars_first is None
             else round(chars_last - chars_first, 4), **checks, "met": all(checks.values())}
+
+
+def _outcome(shown: str | None, accepted: bool) -> str:
+    """What a request's suggestion came to: nothing shown is IGNORED (the user decided nothing)."""
+    return "IGNORED" if shown is None else ("ACCEPTED" if accepted else "REJECTED")
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -391,11 +401,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
             supervisor.stop()
             thread.join(120)
         if supervisor is not None:
-            # Its probes' Kafka admin client must go while the broker still answers: librdkafka's destroy
-            # waits for a broker that is gone.
-            supervisor.probes._admin = None
-            supervisor = None
-            gc.collect()
+            supervisor.probes.close()  # its Kafka probe process, before the broker goes
         broker.stop()
         system_log.close()
         if not config.keep_state:
@@ -452,12 +458,10 @@ def _wait_healthy(supervisor, timeout_s: float, log_path: Path) -> None:
 
 def _published(weight_records: Sequence[dict], base_model: str) -> dict[int, float]:
     """Trained versions of ``base_model`` that were promoted: version → when (epoch seconds)."""
-    out: dict[int, float] = {}
-    for r in weight_records:
-        if r["base_model"] != base_model or r["version"] == 0 or r["status"] != "PROMOTED":
-            continue
-        at = r["created_at"]
-        out.setdefault(r["version"], at.timestamp() if hasattr(at, "timestamp") else at / 1000)
+    out = {}
+    for version, record in _first_promotions(weight_records, base_model).items():
+        at = record["created_at"]
+        out[version] = at.timestamp() if hasattr(at, "timestamp") else at / 1000
     return out
 
 
@@ -469,8 +473,7 @@ def _online_rewards(records: Sequence[dict], spec) -> dict[int, float]:
     for r in records:
         if r["error"] is not None or r["policy_version"] is None:
             continue
-        outcome = "IGNORED" if r["shown"] is None else ("ACCEPTED" if r["accepted"] else "REJECTED")
-        sums.setdefault(r["policy_version"], []).append(acceptance_reward(spec, outcome))
+        sums.setdefault(r["policy_version"], []).append(acceptance_reward(spec, _outcome(r["shown"], r["accepted"])))
     return {v: round(sum(xs) / len(xs), 4) for v, xs in sums.items()}
 
 
