@@ -319,7 +319,7 @@ def completion_deadline(state: dict, config: JoinConfig) -> int | None:
 
 def build_app(settings: Settings, specs: RewardSpecs | None = None, config: JoinConfig | None = None,
               *, app_id: str = APP_ID, guarantee: str = "exactly_once", scorers: Scorers | None = None) -> faust.App:
-    specs = specs or (RewardSpecs.from_yaml(settings.reward_spec_file) if settings.reward_spec_file else RewardSpecs())
+    specs = specs or RewardSpecs.from_settings(settings)
     config = config or JoinConfig.from_settings(settings)
     scorers = scorers or Scorers.from_settings(settings)
     codec = make_codec(settings)

@@ -277,7 +277,7 @@ def replay(settings: Settings, source: str, selection: Selection, topic: str | N
     if topic is not None:
         check_target(topic)
     if specs is None:
-        specs = RewardSpecs.from_yaml(settings.reward_spec_file) if settings.reward_spec_file else RewardSpecs()
+        specs = RewardSpecs.from_settings(settings)
     if source == "clickhouse":
         from streams.history_sql import SqlClient
 

@@ -72,6 +72,11 @@ class RewardSpecs:
         return self.projects.get(project_id, self.default)
 
     @classmethod
+    def from_settings(cls, settings) -> "RewardSpecs":
+        """The specs in ``settings.reward_spec_file``; the defaults when none is set."""
+        return cls.from_yaml(settings.reward_spec_file) if settings.reward_spec_file else cls()
+
+    @classmethod
     def from_yaml(cls, path: Path) -> "RewardSpecs":
         """``default: {accepted: .75, …, weights: {…}}`` and ``projects: {name: {…}}``; errors name the key."""
         try:

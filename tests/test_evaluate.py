@@ -110,6 +110,36 @@ def test_eval_cli_prints_a_table_and_json(tiny_model, tmp_path):
     assert judge.exit_code == 1 and "--judge-url" in judge.output
 
 
+def test_eval_cli_user_scorer_reports_what_the_user_made_of_it(tiny_model, tmp_path):
+    """--scorer user: the simulated user's figures, from the completions printed, under the settings' reward spec."""
+    data, out, spec = tmp_path / "tasks.jsonl", tmp_path / "result.json", tmp_path / "rewards.yaml"
+    save_tasks(TASKS, data)
+    spec.write_text("default: {accepted: 1.0, rejected: -1.0}\n")
+    env = {"TABLOOP_STATE_DIR": str(tmp_path), "TABLOOP_MODEL": tiny_model, "TABLOOP_REWARD_SPEC_FILE": str(spec)}
+    figures = {}
+    for rule, threshold in (("similarity", "0"), ("exact", "0.8")):
+        result = CliRunner().invoke(main, ["eval", str(data), "--scorer", "user", "--rule", rule, "--threshold",
+                                           threshold, "--max-new-tokens", "6", "--temperature", "1", "--samples", "4",
+                                           "--out", str(out)], env=env)
+        assert result.exit_code == 0, result.output
+        figures[rule] = json.loads(result.output.strip().splitlines()[-1])
+        assert "accepted/shown" in result.output
+    # Sampling is seeded: both runs saw the same completions (those of the last run are in --out).
+    completions = [c["completion"] for c in json.loads(out.read_text())["completions"]]
+    shown, n = [c for c in completions if c.strip()], len(completions)
+    assert n == 12 and shown, "the tiny model wrote nothing for any task: nothing to check"
+    # Similarity ≥ 0 accepts whatever is shown; the random model never writes the exact reference.
+    sim, exact = figures["similarity"], figures["exact"]
+    assert sim["shown_share"] == exact["shown_share"] == round(len(shown) / n, 4)
+    assert sim["accept_rate_shown"] == 1.0 and exact["accept_rate_shown"] == 0.0
+    assert sim["accepted_chars_per_request"] == round(sum(len(c) for c in shown) / n, 4)
+    assert exact["accepted_chars_per_request"] == 0.0
+    assert sim["reward_mean"] == round(len(shown) / n, 4) and exact["reward_mean"] == round(-len(shown) / n, 4)
+    assert (exact["user_rule"], exact["user_threshold"]) == ("exact", 0.8)
+    stray = CliRunner().invoke(main, ["eval", str(data), "--rule", "similarity"], env=env)
+    assert stray.exit_code == 2 and "only apply with --scorer user" in stray.output
+
+
 @pytest.mark.kafka
 def test_policy_version_comes_from_the_weights_topic(kafka, tiny_model, tmp_path):
     import shutil

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from streams.rewards import RewardSpec
-from trainer.loop_bench import FIGURES, feedback_to_policy_s, goal, heldout_rows, version_figures
+from trainer.loop_bench import FIGURES, feedback_to_policy_s, goal, heldout_rows
+from trainer.metrics import user_figures
 from trainer.simulate import UserModel
 from trainer.tasks import FimTask
 
@@ -30,10 +31,10 @@ def test_heldout_figures_by_hand():
     rows = heldout_rows(3, tasks, completions, UserModel("exact"), RewardSpec())
     assert [r["outcome"] for r in rows] == ["ACCEPTED", "REJECTED", "IGNORED", "ACCEPTED"]
     assert [r["reward"] for r in rows] == [0.75, -0.25, 0.0, 0.75]
-    fig = version_figures(rows)
+    fig = user_figures(rows)
     assert fig == {"n": 4, "accept_rate_shown": round(2 / 3, 4), "shown_share": 0.75,
                    "accepted_chars_per_request": round(19 / 4, 4), "reward_mean": round(1.25 / 4, 4)}
-    assert version_figures([])["accept_rate_shown"] is None
+    assert user_figures([])["accept_rate_shown"] is None
     with pytest.raises(ValueError, match="3 tasks but 2 completions"):
         heldout_rows(0, tasks[:3], completions[:2], UserModel("exact"), RewardSpec())
 

@@ -116,6 +116,22 @@ def test_tests_and_judge_scorers_as_rewards():
         api.stop()
 
 
+def test_user_scorer_rewards_the_users_decision_as_the_online_trainer_would():
+    """Accepted, rejected, nothing shown → the reward spec's accepted, rejected, ignored (Cursor's by default)."""
+    from streams.rewards import RewardSpec
+    from trainer.simulate import UserModel
+
+    line = FimTask("a", "x = ", "\n", "compute(1)")
+    tested = FimTask("add", "def add(a, b):\n    return ", "\n", "a + b", test="assert add(2, 3) == 5")
+    tasks, completions = [line] * 4, ["compute(1)", "compute(2)", "  ", "compute(1)\nmore"]
+    assert make_scorer("user")(tasks, completions) == [0.75, -0.25, 0.0, 0.75]
+    lenient = make_scorer("user", user_model=UserModel("similarity", 0.8), reward_spec=RewardSpec(rejected=-1.0))
+    assert lenient(tasks, completions) == [0.75, 0.75, 0.0, 0.75]  # "compute(2)" is 0.9 similar
+    assert make_scorer("user", user_model=UserModel("similarity", 0.95),
+                       reward_spec=RewardSpec(rejected=-1.0))(tasks, completions) == [0.75, -1.0, 0.0, 0.75]
+    assert make_scorer("user", user_model=UserModel("tests"))([tested] * 2, ["a + b", "a - b"]) == [0.75, -0.25]
+
+
 # -- learning on the tiny model ------------------------------------------------------------------------
 
 
@@ -245,6 +261,15 @@ def test_train_offline_writes_a_version_with_its_manifest(tiny_model, tmp_path):
     assert store.manifest(2).training["algo"] == "grpo" and store.manifest(2).trainer_step >= m.trainer_step
     lora = _train(env, "--offline", "--lora", "--no-publish", str(data))
     assert lora.exit_code == 1 and "version 2 in the weight store is FULL" in lora.output
+    # The user scorer: its user is part of what the version was trained on, and its evaluation has the user's figures.
+    user = _train(env, "--offline", *FAST, "--updates", "1", "--scorer", "user", "--rule", "similarity",
+                  "--threshold", "0.5", "--eval-dataset", str(held), "--no-publish", str(data))
+    assert user.exit_code == 0, user.output
+    summary = json.loads(user.stdout.strip().splitlines()[-1])
+    assert (summary["scorer"], summary["user_rule"], summary["user_threshold"]) == ("user", "similarity", 0.5)
+    assert {"accept_rate_shown", "shown_share", "accepted_chars_per_request"} <= summary["eval_after"].keys()
+    if store.versions()[-1] == 3:  # the one update had a group with signal
+        assert store.manifest(3).training["user_rule"] == "similarity"
 
 
 def test_train_offline_refuses_what_it_cannot_do(tiny_model, tmp_path):
@@ -261,6 +286,8 @@ def test_train_offline_refuses_what_it_cannot_do(tiny_model, tmp_path):
         (["--offline", "--max-versions", "2", str(data)], "--max-versions is for continuous training"),
         (["--offline", "--scorer", "tests", str(data)], "needs tasks with tests"),
         (["--offline", "--scorer", "judge", str(data)], "--judge-url"),
+        (["--offline", "--scorer", "user", "--rule", "tests", str(data)], "--scorer user needs tasks with tests"),
+        (["--offline", "--rule", "similarity", str(data)], "only apply with --scorer user"),
         (["--offline", "--publish", str(data)], "no Kafka answers on 127.0.0.1:9"),
         (["--offline", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
     ]

@@ -13,7 +13,10 @@
   text on its line);
 * every run reports exact match, line match (what the default simulated user
   accepts), edit similarity and the share of empty suggestions; ``tests`` adds
-  pass@1 (the task's tests in the sandbox), ``judge`` the LLM judge's 0–10 score.
+  pass@1 (the task's tests in the sandbox), ``judge`` the LLM judge's 0–10 score,
+  ``user`` what a simulated user (``--rule``, ``--threshold``) makes of the
+  suggestions: accept rate among shown, share shown, accepted characters per
+  request and mean reward — the figures of ``tabloop bench loop``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from trainer.metrics import Scored, summarize
 from trainer.simulate import CONTINUE_STOPS, single_line_mode
 from trainer.tasks import FimTask, iter_batches
 
-SCORERS = ("exact", "tests", "judge")
+SCORERS = ("exact", "tests", "judge", "user")
 
 
 # -- the policy ------------------------------------------------------------------------------
@@ -189,10 +192,12 @@ def score_judge(config, tasks: Sequence[FimTask], completions: Sequence[str]) ->
 
 
 def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact", samples: int = 1,
-             judge_config=None, log: Callable[[str], None] | None = None, **generation) -> tuple[dict, list[Scored]]:
+             judge_config=None, user_model=None, reward_spec=None, log: Callable[[str], None] | None = None,
+             **generation) -> tuple[dict, list[Scored]]:
     """Sample ``samples`` completions per task, score them; returns (summary, every scored completion).
 
-    pass@1 over several samples is the mean pass rate, the unbiased estimate.
+    pass@1 over several samples is the mean pass rate, the unbiased estimate. The ``user`` scorer's
+    figures come from ``user_model`` (default: the exact-line user) and ``reward_spec`` (default: Cursor's).
     """
     if scorer not in SCORERS:
         raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}")
@@ -224,7 +229,24 @@ def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact
     scored = [Scored(task_id=t.task_id, completion=c, reference=t.middle, solutions=t.solutions,
                      single_line=single_line_mode(t.prefix), passed=p, judge=j[0], judge_error=j[1])
               for t, c, p, j in zip(expanded, completions, passed, judged)]
-    return summarize(scored), scored
+    summary = summarize(scored)
+    if scorer == "user":
+        summary.update(user_summary(expanded, completions, user_model, reward_spec))
+    return summary, scored
+
+
+def user_summary(tasks: Sequence[FimTask], completions: Sequence[str], user_model=None, reward_spec=None) -> dict:
+    """The ``user`` scorer's figures: a simulated user's decisions on the completions (``trainer.metrics.user_figures``)."""
+    from streams.rewards import RewardSpec
+    from trainer.metrics import user_figures
+    from trainer.simulate import UserModel, decision_rows, sandbox_passes
+
+    user_model = user_model or UserModel()
+    rows = decision_rows(tasks, completions, user_model, reward_spec or RewardSpec(),
+                         run_tests=sandbox_passes if user_model.rule == "tests" else None)
+    figures = user_figures(rows)
+    del figures["n"]
+    return {**figures, "user_rule": user_model.rule, "user_threshold": user_model.threshold}
 
 
 def scored_jsonl(scored: Sequence[Scored]) -> str:

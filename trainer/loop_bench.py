@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from trainer.metrics import user_figures
+
 FIGURES = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "reward_mean")
 
 # Cursor's Tab RL result, the goal on held-out tasks (issue 7): accept rate among shown suggestions up by 28 %
@@ -122,38 +124,10 @@ class LoopBenchConfig:
 # -- the figures (pure) ------------------------------------------------------------------------
 
 def heldout_rows(version: int, tasks: Sequence, completions: Sequence[str], user_model, spec) -> list[dict]:
-    """One row per held-out request: what the editor shows, whether the user takes it, the reward.
+    """One row per held-out request (``trainer.simulate.decision_rows``), tagged with the version."""
+    from trainer.simulate import decision_rows
 
-    ``user_model`` is a ``trainer.simulate.UserModel``; ``spec`` a ``streams.rewards.RewardSpec``. Nothing
-    shown means the user decides nothing: the IGNORED reward."""
-    from streams.rewards import acceptance_reward
-    from trainer.simulate import shown_text, single_line_mode
-
-    if len(tasks) != len(completions):
-        raise ValueError(f"{len(tasks)} tasks but {len(completions)} completions")
-    rows = []
-    for task, completion in zip(tasks, completions):
-        shown = shown_text(completion, single_line=single_line_mode(task.prefix))
-        accepted = shown is not None and user_model.accepts(task, shown)
-        outcome = _outcome(shown, accepted)
-        rows.append({"version": version, "task_id": task.task_id, "completion": completion, "shown": shown,
-                     "accepted": accepted, "accepted_chars": len(shown) if accepted else 0, "outcome": outcome,
-                     "reward": acceptance_reward(spec, outcome), "reference": task.middle})
-    return rows
-
-
-def version_figures(rows: Sequence[dict]) -> dict:
-    """accept_rate_shown, shown_share, accepted_chars_per_request, reward_mean and n of some requests' rows."""
-    n = len(rows)
-    shown = [r for r in rows if r["shown"] is not None]
-    accepted = [r for r in shown if r["accepted"]]
-    return {
-        "n": n,
-        "accept_rate_shown": _ratio(len(accepted), len(shown)),
-        "shown_share": _ratio(len(shown), n),
-        "accepted_chars_per_request": _ratio(sum(r["accepted_chars"] for r in accepted), n),
-        "reward_mean": _ratio(sum(r["reward"] for r in rows), n),
-    }
+    return [{"version": version, **row} for row in decision_rows(tasks, completions, user_model, spec)]
 
 
 def versions_to_evaluate(published: Sequence[int], max_evals: int | None) -> list[int]:
@@ -230,15 +204,6 @@ def goal(first: dict, last: dict, to_policy_s: float | None) -> dict:
     return {"accept_rate_rel_change": accept_gain, "shown_share_rel_change": shown_change,
             "accepted_chars_change": None if chars_last is None or chars_first is None
             else round(chars_last - chars_first, 4), **checks, "met": all(checks.values())}
-
-
-def _outcome(shown: str | None, accepted: bool) -> str:
-    """What a request's suggestion came to: nothing shown is IGNORED (the user decided nothing)."""
-    return "IGNORED" if shown is None else ("ACCEPTED" if accepted else "REJECTED")
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 4) if b else None
 
 
 # -- the plot ----------------------------------------------------------------------------------
@@ -390,7 +355,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
                                        log=lambda _: None)
             rows = heldout_rows(version, heldout, [s.completion for s in scored], user_model, spec)
             rows_all.extend(rows)
-            figures = {"version": version, **version_figures(rows),
+            figures = {"version": version, **user_figures(rows),
                        "exact_match": summary["exact_match"], "edit_similarity": summary["edit_similarity"],
                        "published_s": published.get(version), "eval_s": round(time.monotonic() - t0, 1)}
             versions.append(figures)
@@ -468,12 +433,13 @@ def _published(weight_records: Sequence[dict], base_model: str) -> dict[int, flo
 def _online_rewards(records: Sequence[dict], spec) -> dict[int, float]:
     """Mean reward of the requests each version served (the users' outcomes; nothing shown: ignored)."""
     from streams.rewards import acceptance_reward
+    from trainer.simulate import outcome_of
 
     sums: dict[int, list[float]] = {}
     for r in records:
         if r["error"] is not None or r["policy_version"] is None:
             continue
-        sums.setdefault(r["policy_version"], []).append(acceptance_reward(spec, _outcome(r["shown"], r["accepted"])))
+        sums.setdefault(r["policy_version"], []).append(acceptance_reward(spec, outcome_of(r["shown"], r["accepted"])))
     return {v: round(sum(xs) / len(xs), 4) for v, xs in sums.items()}
 
 

@@ -5,7 +5,9 @@
   default simulated user accepts (the rest of the line the cursor is on);
 * ``edit_similarity`` — 1 − Levenshtein distance / length of the longer text;
 * ``is_empty`` — nothing worth showing (whitespace only);
-* pass@1 and judge scores come from the test scorer and the judge.
+* pass@1 and judge scores come from the test scorer and the judge;
+* ``user_figures`` — accept rate among shown, share shown, accepted characters
+  per request and mean reward of a simulated user's decisions.
 """
 
 from __future__ import annotations
@@ -109,6 +111,26 @@ def summarize(scored: Sequence[Scored]) -> dict:
     }
 
 
+def user_figures(rows: Sequence[dict]) -> dict:
+    """What Cursor's Tab RL measured, over some requests' user decisions (``trainer.simulate.decision_rows``):
+    accept rate among shown suggestions, share of requests shown, accepted characters per request and
+    mean reward (an empty suggestion is not shown)."""
+    n = len(rows)
+    shown = [r for r in rows if r["shown"] is not None]
+    accepted = [r for r in shown if r["accepted"]]
+    return {
+        "n": n,
+        "accept_rate_shown": _ratio(len(accepted), len(shown)),
+        "shown_share": _ratio(len(shown), n),
+        "accepted_chars_per_request": _ratio(sum(r["accepted_chars"] for r in accepted), n),
+        "reward_mean": _ratio(sum(r["reward"] for r in rows), n),
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
 def _mean(xs: Sequence[float | bool]) -> float | None:
     return round(sum(float(x) for x in xs) / len(xs), 4) if xs else None
 
@@ -116,7 +138,9 @@ def _mean(xs: Sequence[float | bool]) -> float | None:
 def markdown_table(rows: Sequence[tuple[str, dict]]) -> str:
     """A table with one row per (label, summary)."""
     columns = [("n", "n"), ("exact_match", "exact"), ("line_match", "line"), ("edit_similarity", "edit sim"),
-               ("pass_at_1", "pass@1"), ("judge_score", "judge"), ("empty_share", "empty")]
+               ("pass_at_1", "pass@1"), ("judge_score", "judge"), ("empty_share", "empty"),
+               ("shown_share", "shown"), ("accept_rate_shown", "accepted/shown"),
+               ("accepted_chars_per_request", "acc. chars/req"), ("reward_mean", "reward")]
     head = "| run | " + " | ".join(title for _, title in columns) + " |"
     rule = "|---|" + "|".join("---:" for _ in columns) + "|"
     lines = [head, rule]

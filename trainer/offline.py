@@ -9,8 +9,10 @@ One update, in order:
    single-line mode, the end-of-text token — and only those tokens are trained
    on: the reward says nothing about tokens nobody saw;
 3. the text the editor would show scored by the scorer: exact match with a
-   solution (1/0), the task's tests in the sandbox (1/0), or the LLM judge's
-   score / 10 (a sample the judge could not score is left out);
+   solution (1/0), the task's tests in the sandbox (1/0), the LLM judge's
+   score / 10 (a sample the judge could not score is left out), or a simulated
+   user's decision as the online trainer would see it (``user``: +0.75 accepted,
+   −0.25 rejected, 0 for an empty suggestion, which nobody is shown);
 4. advantages within each task's group — GRPO (reward − group mean) / group
    std, or RLOO (reward − mean of the others) — from ``trainer.losses``;
    a group whose rewards are all equal carries no signal and is left out;
@@ -43,7 +45,7 @@ from trainer.policy import PolicyTrainer, Sample, sample_completions
 from trainer.tasks import FimTask
 
 ALGOS = ("grpo", "rloo")
-SCORERS = ("exact", "tests", "judge")
+SCORERS = ("exact", "tests", "judge", "user")
 
 Scorer = Callable[[Sequence[FimTask], Sequence[str]], list]
 """(tasks, shown completions) → one reward per completion: a float, or None when it could not be scored."""
@@ -171,8 +173,11 @@ def sample_groups(model, tokenizer, prompts: Sequence[list[int]], tasks: Sequenc
     return groups
 
 
-def make_scorer(name: str, *, judge_config=None, test_workers: int = 2) -> Scorer:
-    """The reward of a shown completion under scorer ``name`` (the same scorers as ``tabloop eval``)."""
+def make_scorer(name: str, *, judge_config=None, user_model=None, reward_spec=None, test_workers: int = 2) -> Scorer:
+    """The reward of a shown completion under scorer ``name`` (the same scorers as ``tabloop eval``).
+
+    ``user``: the reward ``reward_spec`` (default: Cursor's) gives ``user_model``'s decision (default: the
+    exact-line user), the reward the online trainer gets from the episode of that decision."""
     if name == "exact":
         from trainer.metrics import Scored
         from trainer.simulate import single_line_mode
@@ -195,6 +200,14 @@ def make_scorer(name: str, *, judge_config=None, test_workers: int = 2) -> Score
         # The judge's 0–10 scale brought to 0–1 like the other scorers; a missing score stays missing.
         return lambda tasks, completions: [None if s is None else s / 10.0
                                            for s, _ in score_judge(judge_config, tasks, completions)]
+    if name == "user":
+        from streams.rewards import RewardSpec
+        from trainer.simulate import UserModel, decision_rows, sandbox_passes
+
+        user_model, reward_spec = user_model or UserModel(), reward_spec or RewardSpec()
+        run_tests = sandbox_passes if user_model.rule == "tests" else None
+        return lambda tasks, completions: [row["reward"] for row in decision_rows(tasks, completions, user_model,
+                                                                                  reward_spec, run_tests=run_tests)]
     raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {name!r}")
 
 
@@ -295,6 +308,10 @@ class OfflineRun:
     """True: announce on tabloop.weights (fail when no broker answers); False: never; None: when one answers."""
     promote: bool = False
     judge_config: object = None
+    user_model: object = None
+    """The ``user`` scorer's ``trainer.simulate.UserModel`` (None: the exact-line user)."""
+    reward_spec: object = None
+    """The ``user`` scorer's ``streams.rewards.RewardSpec`` (None: the settings' default spec)."""
     lr: float | None = None
     full: bool | None = None
 
@@ -357,7 +374,7 @@ def _evaluate(policy: PolicyTrainer, tasks, scorer: str, run: OfflineRun, log) -
     model.eval()
     try:
         summary, _ = evaluate(model, policy.tokenizer, tasks, scorer=scorer, judge_config=run.judge_config,
-                              log=log, temperature=0.0, max_new_tokens=run.eval_max_new_tokens,
+                              user_model=run.user_model, reward_spec=run.reward_spec, log=log, temperature=0.0, max_new_tokens=run.eval_max_new_tokens,
                               max_prompt_tokens=run.config.max_prompt_tokens, seed=run.seed)
     finally:
         model.train(was_training)
@@ -388,13 +405,19 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
         raise OfflineError(f"--scorer must be one of {', '.join(SCORERS)}, got {run.scorer!r}")
     tasks = resolve_dataset(run.dataset, seed=run.seed, limit=run.limit)
     eval_tasks = resolve_dataset(run.eval_dataset, seed=run.seed, limit=run.eval_limit) if run.eval_dataset else None
-    if run.scorer == "tests":
+    needs_tests = run.scorer == "tests" or (run.scorer == "user" and getattr(run.user_model, "rule", None) == "tests")
+    if needs_tests:
         for name, ts in ((run.dataset, tasks), (run.eval_dataset, eval_tasks or [])):
             missing = [t.task_id for t in ts if t.test is None]
             if missing:
-                raise OfflineError(f"--scorer tests needs tasks with tests; {len(missing)} of {len(ts)} in {name} "
+                raise OfflineError(f"--scorer {run.scorer} needs tasks with tests; {len(missing)} of {len(ts)} in {name} "
                                    f"have none (e.g. {missing[0]}): use a dataset such as humaneval")
-    score = make_scorer(run.scorer, judge_config=run.judge_config)
+    if run.scorer == "user" and run.reward_spec is None:
+        from streams.rewards import RewardSpecs
+
+        run.reward_spec = RewardSpecs.from_settings(settings).default
+    score = make_scorer(run.scorer, judge_config=run.judge_config, user_model=run.user_model,
+                        reward_spec=run.reward_spec)
     config = run.config
     n_updates = run.updates or math.ceil(len(tasks) / config.prompts_per_update)
     save_every = run.save_every or n_updates
@@ -467,8 +490,19 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
         "reward_mean_first": _mean(rewards[:quarter]), "reward_mean_last": _mean(rewards[-quarter:]),
         "versions": versions, "published": publish,
         "eval_dataset": run.eval_dataset, "eval_before": eval_before, "eval_after": eval_after,
+        **_user_fields(run),
     }
     return _json_safe(summary)
+
+
+def _user_fields(run: OfflineRun) -> dict:
+    """How the ``user`` scorer's user decided: part of what a version was trained on."""
+    if run.scorer != "user":
+        return {}
+    from trainer.simulate import UserModel
+
+    user = run.user_model or UserModel()
+    return {"user_rule": user.rule, "user_threshold": user.threshold}
 
 
 def _json_safe(value):
@@ -507,6 +541,7 @@ def _save_version(store, policy: PolicyTrainer, parent, run: OfflineRun, figures
                 "temperature": run.config.temperature, "seed": run.seed, "lr": policy.config.lr}
     if run.eval_dataset:
         training["eval_dataset"] = run.eval_dataset
+    training.update(_user_fields(run))
     offsets = dict(parent.source_offsets) if parent else {}
     version = store.next_version()
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,8 +23,16 @@ _OPTIONS = [
                  help="(offline) Group advantages: GRPO (mean/std of the group) or RLOO (leave-one-out mean)."),
     click.option("--group-size", type=click.IntRange(min=2), default=8, show_default=True,
                  help="(offline) Completions sampled per prompt (K)."),
-    click.option("--scorer", type=click.Choice(["exact", "tests", "judge"]), default="exact", show_default=True,
-                 help="(offline) Reward: exact match with a solution, the task's tests pass, the LLM judge's score/10."),
+    click.option("--scorer", type=click.Choice(["exact", "tests", "judge", "user"]), default="exact",
+                 show_default=True,
+                 help="(offline) Reward: exact match with a solution, the task's tests pass, the LLM judge's score/10, "
+                      "or a simulated user's decision under the reward spec (+0.75 accepted, -0.25 rejected, "
+                      "0 nothing shown: what the online trainer gets)."),
+    click.option("--rule", type=click.Choice(["exact", "similarity", "tests"]), default="exact", show_default=True,
+                 help="(offline, --scorer user) When the user accepts: the first line is the rest of the true line; "
+                      "edit similarity at least --threshold; the task's tests pass."),
+    click.option("--threshold", type=click.FloatRange(0, 1), default=0.8, show_default=True,
+                 help="(offline, --scorer user --rule similarity)"),
     click.option("--prompts-per-update", type=click.IntRange(min=1), default=4, show_default=True,
                  help="(offline) Prompts per policy update; an update trains on up to prompts × K samples."),
     click.option("--updates", type=click.IntRange(min=1), default=None,
@@ -52,7 +60,7 @@ _OPTIONS = [
                  help="(offline) Default: TABLOOP_JUDGE_API_KEY."),
 ]
 
-OFFLINE_PARAMS = ("dataset", "offline", "algo", "group_size", "scorer", "prompts_per_update", "updates", "save_every",
+OFFLINE_PARAMS = ("dataset", "offline", "algo", "group_size", "scorer", "rule", "threshold", "prompts_per_update", "updates", "save_every",
                   "max_new_tokens", "temperature", "limit", "seed", "eval_dataset", "eval_limit", "publish", "promote",
                   "lr", "full", "judge_url", "judge_model", "judge_api_key")
 
@@ -104,6 +112,13 @@ def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> 
                                        max_concurrency=settings.judge_max_concurrency)
         except ValueError as exc:
             raise TabloopError(str(exc)) from None
+    user_model = None
+    if params["scorer"] == "user":
+        from trainer.simulate import UserModel
+
+        user_model = UserModel(params["rule"], params["threshold"])
+    elif any(ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE for n in ("rule", "threshold")):
+        raise click.UsageError("--rule and --threshold only apply with --scorer user")
     try:
         config = OfflineConfig(algo=params["algo"], group_size=params["group_size"],
                                prompts_per_update=params["prompts_per_update"],
@@ -113,7 +128,8 @@ def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> 
                          save_every=params["save_every"], seed=params["seed"], limit=params["limit"],
                          eval_dataset=params["eval_dataset"], eval_limit=params["eval_limit"],
                          eval_max_new_tokens=params["max_new_tokens"], publish=params["publish"],
-                         promote=params["promote"], judge_config=judge_config, lr=params["lr"], full=params["full"])
+                         promote=params["promote"], judge_config=judge_config, user_model=user_model,
+                         lr=params["lr"], full=params["full"])
         summary = run_offline(settings, run, log=functools.partial(click.echo, err=True))
     except (TaskFormatError, FileNotFoundError, ModelLoadError, WeightStoreError, ValueError) as exc:
         raise TabloopError(str(exc)) from None

@@ -145,7 +145,13 @@ simulate.help = (simulate.help or "") + DATASET_HELP + "."
 
 @click.command("eval")
 @click.argument("dataset")
-@click.option("--scorer", type=click.Choice(["exact", "tests", "judge"]), default="exact", show_default=True)
+@click.option("--scorer", type=click.Choice(["exact", "tests", "judge", "user"]), default="exact", show_default=True,
+              help="user: also what a simulated user makes of the suggestions (accept rate among shown, share "
+                   "shown, accepted characters per request, mean reward), per --rule and --threshold.")
+@click.option("--rule", type=click.Choice(["exact", "similarity", "tests"]), default="exact", show_default=True,
+              help="(--scorer user) When the user accepts: the first line is the rest of the true line; edit "
+                   "similarity at least --threshold; the task's tests pass.")
+@click.option("--threshold", type=click.FloatRange(0, 1), default=0.8, show_default=True)
 @click.option("--policy", default=None,
               help="A policy version on tabloop.weights, or a weights directory (default: the base model).")
 @click.option("--model", "model_spec", default=None, help="Base model (default: TABLOOP_MODEL).")
@@ -166,12 +172,13 @@ simulate.help = (simulate.help or "") + DATASET_HELP + "."
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
               help="Also write the summary and every scored completion here (JSON).")
 @click.pass_context
-def eval_command(ctx: click.Context, dataset: str, scorer: str, policy: str | None, model_spec: str | None,
-                 limit: int | None, samples: int, temperature: float, max_new_tokens: int, batch_size: int,
+def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, threshold: float, policy: str | None,
+                 model_spec: str | None, limit: int | None, samples: int, temperature: float, max_new_tokens: int, batch_size: int,
                  max_prompt_tokens: int | None, context: bool, seed: int, judge_url: str | None,
                  judge_model: str | None, out_file: str | None) -> None:
     """Score a policy's completions of DATASET: exact match, line match, edit similarity, pass@1 (tests),
-    judge score, share of empty suggestions. Prints a markdown table, then the JSON summary as the last line."""
+    judge score, share of empty suggestions; with --scorer user, a simulated user's accept rate among shown
+    suggestions, share shown, accepted characters per request and mean reward. Prints a markdown table, then the JSON summary as the last line."""
     from dataclasses import asdict
 
     from trainer.evaluate import evaluate, load_policy
@@ -179,7 +186,14 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, policy: str | No
     from trainer.models import ModelLoadError
 
     s = _settings(ctx)
-    judge_config = None
+    judge_config = user_model = reward_spec = None
+    if scorer == "user":
+        from streams.rewards import RewardSpecs
+        from trainer.simulate import UserModel
+
+        user_model, reward_spec = UserModel(rule, threshold), RewardSpecs.from_settings(s).default
+    elif any(ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE for n in ("rule", "threshold")):
+        raise click.UsageError("--rule and --threshold only apply with --scorer user")
     if scorer == "judge":
         from streams.judge import JudgeConfig
 
@@ -196,7 +210,8 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, policy: str | No
     try:
         model, tokenizer, label = load_policy(s, policy, model_spec=model_spec)
         summary, scored = evaluate(model, tokenizer, task_list, scorer=scorer, samples=samples,
-                                   judge_config=judge_config, temperature=temperature,
+                                   judge_config=judge_config, user_model=user_model, reward_spec=reward_spec,
+                                   temperature=temperature,
                                    max_new_tokens=max_new_tokens, batch_size=batch_size,
                                    max_prompt_tokens=max_prompt_tokens or s.max_prompt_tokens,
                                    with_context=context, seed=seed)

@@ -95,6 +95,31 @@ class UserModel:
         return edit_similarity(got, want) >= self.threshold
 
 
+def outcome_of(shown: str | None, accepted: bool) -> str:
+    """What a request's suggestion came to: nothing shown is IGNORED (the user decided nothing)."""
+    return "IGNORED" if shown is None else ("ACCEPTED" if accepted else "REJECTED")
+
+
+def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: UserModel, spec, *,
+                  run_tests: Callable[[str], bool] | None = None) -> list[dict]:
+    """One row per completion: what the editor shows, whether ``user`` takes it, the outcome and its reward
+    under ``spec`` (a ``streams.rewards.RewardSpec``). The same rows score the held-out tasks of
+    ``tabloop bench loop``, ``tabloop eval --scorer user`` and the offline trainer's user scorer."""
+    from streams.rewards import acceptance_reward
+
+    if len(tasks) != len(completions):
+        raise ValueError(f"{len(tasks)} tasks but {len(completions)} completions")
+    rows = []
+    for task, completion in zip(tasks, completions):
+        shown = shown_text(completion, single_line=single_line_mode(task.prefix))
+        accepted = shown is not None and user.accepts(task, shown, run_tests=run_tests)
+        outcome = outcome_of(shown, accepted)
+        rows.append({"task_id": task.task_id, "completion": completion, "shown": shown, "accepted": accepted,
+                     "accepted_chars": len(shown) if accepted else 0, "outcome": outcome,
+                     "reward": acceptance_reward(spec, outcome), "reference": task.middle})
+    return rows
+
+
 def sandbox_passes(program: str) -> bool:
     from streams.sandbox import run_tests
 
