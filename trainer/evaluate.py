@@ -236,7 +236,8 @@ def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact
 
 
 def user_summary(tasks: Sequence[FimTask], completions: Sequence[str], user_model=None, reward_spec=None) -> dict:
-    """The ``user`` scorer's figures: a simulated user's decisions on the completions (``trainer.metrics.user_figures``)."""
+    """The ``user`` scorer's figures: a simulated user's decisions on the completions
+    (``trainer.metrics.user_figures``)."""
     from streams.rewards import RewardSpec
     from trainer.metrics import user_figures
     from trainer.simulate import UserModel, decision_rows, sandbox_passes

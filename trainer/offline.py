@@ -374,8 +374,9 @@ def _evaluate(policy: PolicyTrainer, tasks, scorer: str, run: OfflineRun, log) -
     model.eval()
     try:
         summary, _ = evaluate(model, policy.tokenizer, tasks, scorer=scorer, judge_config=run.judge_config,
-                              user_model=run.user_model, reward_spec=run.reward_spec, log=log, temperature=0.0, max_new_tokens=run.eval_max_new_tokens,
-                              max_prompt_tokens=run.config.max_prompt_tokens, seed=run.seed)
+                              user_model=run.user_model, reward_spec=run.reward_spec, log=log, temperature=0.0,
+                              max_new_tokens=run.eval_max_new_tokens, max_prompt_tokens=run.config.max_prompt_tokens,
+                              seed=run.seed)
     finally:
         model.train(was_training)
     return summary
@@ -410,12 +411,14 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
         for name, ts in ((run.dataset, tasks), (run.eval_dataset, eval_tasks or [])):
             missing = [t.task_id for t in ts if t.test is None]
             if missing:
-                raise OfflineError(f"--scorer {run.scorer} needs tasks with tests; {len(missing)} of {len(ts)} in {name} "
-                                   f"have none (e.g. {missing[0]}): use a dataset such as humaneval")
+                raise OfflineError(f"--scorer {run.scorer} needs tasks with tests; {len(missing)} of {len(ts)} in "
+                                   f"{name} have none (e.g. {missing[0]}): use a dataset such as humaneval")
     if run.scorer == "user" and run.reward_spec is None:
+        import dataclasses
+
         from streams.rewards import RewardSpecs
 
-        run.reward_spec = RewardSpecs.from_settings(settings).default
+        run = dataclasses.replace(run, reward_spec=RewardSpecs.from_settings(settings).default)
     score = make_scorer(run.scorer, judge_config=run.judge_config, user_model=run.user_model,
                         reward_spec=run.reward_spec)
     config = run.config

@@ -60,9 +60,9 @@ _OPTIONS = [
                  help="(offline) Default: TABLOOP_JUDGE_API_KEY."),
 ]
 
-OFFLINE_PARAMS = ("dataset", "offline", "algo", "group_size", "scorer", "rule", "threshold", "prompts_per_update", "updates", "save_every",
-                  "max_new_tokens", "temperature", "limit", "seed", "eval_dataset", "eval_limit", "publish", "promote",
-                  "lr", "full", "judge_url", "judge_model", "judge_api_key")
+OFFLINE_PARAMS = ("dataset", "offline", "algo", "group_size", "scorer", "rule", "threshold", "prompts_per_update",
+                  "updates", "save_every", "max_new_tokens", "temperature", "limit", "seed", "eval_dataset",
+                  "eval_limit", "publish", "promote", "lr", "full", "judge_url", "judge_model", "judge_api_key")
 
 
 def offline_options(command):

@@ -173,12 +173,13 @@ simulate.help = (simulate.help or "") + DATASET_HELP + "."
               help="Also write the summary and every scored completion here (JSON).")
 @click.pass_context
 def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, threshold: float, policy: str | None,
-                 model_spec: str | None, limit: int | None, samples: int, temperature: float, max_new_tokens: int, batch_size: int,
-                 max_prompt_tokens: int | None, context: bool, seed: int, judge_url: str | None,
+                 model_spec: str | None, limit: int | None, samples: int, temperature: float, max_new_tokens: int,
+                 batch_size: int, max_prompt_tokens: int | None, context: bool, seed: int, judge_url: str | None,
                  judge_model: str | None, out_file: str | None) -> None:
     """Score a policy's completions of DATASET: exact match, line match, edit similarity, pass@1 (tests),
     judge score, share of empty suggestions; with --scorer user, a simulated user's accept rate among shown
-    suggestions, share shown, accepted characters per request and mean reward. Prints a markdown table, then the JSON summary as the last line."""
+    suggestions, share shown, accepted characters per request and mean reward. Prints a markdown table, then
+    the JSON summary as the last line."""
     from dataclasses import asdict
 
     from trainer.evaluate import evaluate, load_policy
