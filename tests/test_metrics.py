@@ -56,3 +56,8 @@ def test_markdown_table():
     head, rule, row = table.splitlines()
     assert head.startswith("| run | n | exact") and rule.startswith("|---|")
     assert row == "| before | 2 | 0.500 | – | – | – | – | – |"
+    # The simulated user's figures get their columns only where a summary has them.
+    user = markdown_table([("a", {"n": 4}), ("b", {"n": 4, "shown_share": 0.75, "accept_rate_shown": 0.5})])
+    head, _, a, b = user.splitlines()
+    assert head.endswith("| shown | accepted/shown | acc. chars/req | reward |")
+    assert a.endswith("| – | – | – | – |") and b.endswith("| 0.750 | 0.500 | – | – |")

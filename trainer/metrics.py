@@ -136,11 +136,12 @@ def _mean(xs: Sequence[float | bool]) -> float | None:
 
 
 def markdown_table(rows: Sequence[tuple[str, dict]]) -> str:
-    """A table with one row per (label, summary)."""
+    """A table with one row per (label, summary); the simulated user's columns only when a summary has them."""
     columns = [("n", "n"), ("exact_match", "exact"), ("line_match", "line"), ("edit_similarity", "edit sim"),
-               ("pass_at_1", "pass@1"), ("judge_score", "judge"), ("empty_share", "empty"),
-               ("shown_share", "shown"), ("accept_rate_shown", "accepted/shown"),
-               ("accepted_chars_per_request", "acc. chars/req"), ("reward_mean", "reward")]
+               ("pass_at_1", "pass@1"), ("judge_score", "judge"), ("empty_share", "empty")]
+    if any("shown_share" in summary for _, summary in rows):
+        columns += [("shown_share", "shown"), ("accept_rate_shown", "accepted/shown"),
+                    ("accepted_chars_per_request", "acc. chars/req"), ("reward_mean", "reward")]
     head = "| run | " + " | ".join(title for _, title in columns) + " |"
     rule = "|---|" + "|".join("---:" for _ in columns) + "|"
     lines = [head, rule]
