@@ -32,8 +32,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from serving.fim import earliest_stop, trim_prompt_ids
-from trainer.metrics import Scored, summarize
-from trainer.simulate import CONTINUE_STOPS, single_line_mode
+from streams.rewards import RewardSpec
+from trainer.metrics import Scored, summarize, user_figures
+from trainer.simulate import CONTINUE_STOPS, UserModel, decision_rows, single_line_mode
 from trainer.tasks import FimTask, iter_batches
 
 SCORERS = ("exact", "tests", "judge", "user")
@@ -192,12 +193,12 @@ def score_judge(config, tasks: Sequence[FimTask], completions: Sequence[str]) ->
 
 
 def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact", samples: int = 1,
-             judge_config=None, user_model=None, reward_spec=None, log: Callable[[str], None] | None = None,
-             **generation) -> tuple[dict, list[Scored]]:
+             judge_config=None, user_model: UserModel = UserModel(), reward_spec: RewardSpec = RewardSpec(),
+             log: Callable[[str], None] | None = None, **generation) -> tuple[dict, list[Scored]]:
     """Sample ``samples`` completions per task, score them; returns (summary, every scored completion).
 
     pass@1 over several samples is the mean pass rate, the unbiased estimate. The ``user`` scorer's
-    figures come from ``user_model`` (default: the exact-line user) and ``reward_spec`` (default: Cursor's).
+    figures come from ``user_model``'s decisions and ``reward_spec``'s rewards.
     """
     if scorer not in SCORERS:
         raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}")
@@ -235,17 +236,11 @@ def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact
     return summary, scored
 
 
-def user_summary(tasks: Sequence[FimTask], completions: Sequence[str], user_model=None, reward_spec=None) -> dict:
+def user_summary(tasks: Sequence[FimTask], completions: Sequence[str], user_model: UserModel,
+                 reward_spec: RewardSpec) -> dict:
     """The ``user`` scorer's figures: a simulated user's decisions on the completions
-    (``trainer.metrics.user_figures``)."""
-    from streams.rewards import RewardSpec
-    from trainer.metrics import user_figures
-    from trainer.simulate import UserModel, decision_rows, sandbox_passes
-
-    user_model = user_model or UserModel()
-    rows = decision_rows(tasks, completions, user_model, reward_spec or RewardSpec(),
-                         run_tests=sandbox_passes if user_model.rule == "tests" else None)
-    figures = user_figures(rows)
+    (``trainer.metrics.user_figures``; ``n`` is the summary's already)."""
+    figures = user_figures(decision_rows(tasks, completions, user_model, reward_spec))
     del figures["n"]
     return {**figures, "user_rule": user_model.rule, "user_threshold": user_model.threshold}
 

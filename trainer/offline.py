@@ -40,8 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from streams.rewards import RewardSpec
 from trainer.losses import grpo_advantages, rloo_advantages
 from trainer.policy import PolicyTrainer, Sample, sample_completions
+from trainer.simulate import UserModel, decision_rows
 from trainer.tasks import FimTask
 
 ALGOS = ("grpo", "rloo")
@@ -173,11 +175,12 @@ def sample_groups(model, tokenizer, prompts: Sequence[list[int]], tasks: Sequenc
     return groups
 
 
-def make_scorer(name: str, *, judge_config=None, user_model=None, reward_spec=None, test_workers: int = 2) -> Scorer:
+def make_scorer(name: str, *, judge_config=None, user_model: UserModel = UserModel(),
+                reward_spec: RewardSpec = RewardSpec(), test_workers: int = 2) -> Scorer:
     """The reward of a shown completion under scorer ``name`` (the same scorers as ``tabloop eval``).
 
-    ``user``: the reward ``reward_spec`` (default: Cursor's) gives ``user_model``'s decision (default: the
-    exact-line user), the reward the online trainer gets from the episode of that decision."""
+    ``user``: the reward ``reward_spec`` gives ``user_model``'s decision, the reward the online trainer gets
+    from the episode of that decision."""
     if name == "exact":
         from trainer.metrics import Scored
         from trainer.simulate import single_line_mode
@@ -201,13 +204,8 @@ def make_scorer(name: str, *, judge_config=None, user_model=None, reward_spec=No
         return lambda tasks, completions: [None if s is None else s / 10.0
                                            for s, _ in score_judge(judge_config, tasks, completions)]
     if name == "user":
-        from streams.rewards import RewardSpec
-        from trainer.simulate import UserModel, decision_rows, sandbox_passes
-
-        user_model, reward_spec = user_model or UserModel(), reward_spec or RewardSpec()
-        run_tests = sandbox_passes if user_model.rule == "tests" else None
-        return lambda tasks, completions: [row["reward"] for row in decision_rows(tasks, completions, user_model,
-                                                                                  reward_spec, run_tests=run_tests)]
+        return lambda tasks, completions: [row["reward"] for row in
+                                           decision_rows(tasks, completions, user_model, reward_spec)]
     raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {name!r}")
 
 
@@ -308,10 +306,10 @@ class OfflineRun:
     """True: announce on tabloop.weights (fail when no broker answers); False: never; None: when one answers."""
     promote: bool = False
     judge_config: object = None
-    user_model: object = None
-    """The ``user`` scorer's ``trainer.simulate.UserModel`` (None: the exact-line user)."""
-    reward_spec: object = None
-    """The ``user`` scorer's ``streams.rewards.RewardSpec`` (None: the settings' default spec)."""
+    user_model: UserModel = UserModel()
+    """The ``user`` scorer's simulated user."""
+    reward_spec: RewardSpec | None = None
+    """The ``user`` scorer's rewards (None: the settings' default spec)."""
     lr: float | None = None
     full: bool | None = None
 
@@ -406,19 +404,21 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
         raise OfflineError(f"--scorer must be one of {', '.join(SCORERS)}, got {run.scorer!r}")
     tasks = resolve_dataset(run.dataset, seed=run.seed, limit=run.limit)
     eval_tasks = resolve_dataset(run.eval_dataset, seed=run.seed, limit=run.eval_limit) if run.eval_dataset else None
-    needs_tests = run.scorer == "tests" or (run.scorer == "user" and getattr(run.user_model, "rule", None) == "tests")
+    needs_tests = run.scorer == "tests" or (run.scorer == "user" and run.user_model.rule == "tests")
     if needs_tests:
         for name, ts in ((run.dataset, tasks), (run.eval_dataset, eval_tasks or [])):
             missing = [t.task_id for t in ts if t.test is None]
             if missing:
                 raise OfflineError(f"--scorer {run.scorer} needs tasks with tests; {len(missing)} of {len(ts)} in "
                                    f"{name} have none (e.g. {missing[0]}): use a dataset such as humaneval")
-    if run.scorer == "user" and run.reward_spec is None:
+    if run.reward_spec is None:
         import dataclasses
 
         from streams.rewards import RewardSpecs
 
-        run = dataclasses.replace(run, reward_spec=RewardSpecs.from_settings(settings).default)
+        # Only the user scorer reads the settings' spec: a bad spec file does not stop an exact-match run.
+        spec = RewardSpecs.from_settings(settings).default if run.scorer == "user" else RewardSpec()
+        run = dataclasses.replace(run, reward_spec=spec)
     score = make_scorer(run.scorer, judge_config=run.judge_config, user_model=run.user_model,
                         reward_spec=run.reward_spec)
     config = run.config
@@ -502,10 +502,7 @@ def _user_fields(run: OfflineRun) -> dict:
     """How the ``user`` scorer's user decided: part of what a version was trained on."""
     if run.scorer != "user":
         return {}
-    from trainer.simulate import UserModel
-
-    user = run.user_model or UserModel()
-    return {"user_rule": user.rule, "user_threshold": user.threshold}
+    return {"user_rule": run.user_model.rule, "user_threshold": run.user_model.threshold}
 
 
 def _json_safe(value):

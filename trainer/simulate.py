@@ -100,11 +100,11 @@ def outcome_of(shown: str | None, accepted: bool) -> str:
     return "IGNORED" if shown is None else ("ACCEPTED" if accepted else "REJECTED")
 
 
-def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: UserModel, spec, *,
-                  run_tests: Callable[[str], bool] | None = None) -> list[dict]:
+def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: UserModel, spec) -> list[dict]:
     """One row per completion: what the editor shows, whether ``user`` takes it, the outcome and its reward
     under ``spec`` (a ``streams.rewards.RewardSpec``). The same rows score the held-out tasks of
-    ``tabloop bench loop``, ``tabloop eval --scorer user`` and the offline trainer's user scorer."""
+    ``tabloop bench loop``, ``tabloop eval --scorer user`` and the offline trainer's user scorer; the
+    ``tests`` rule runs the file in the sandbox, as the simulated users do."""
     from streams.rewards import acceptance_reward
 
     if len(tasks) != len(completions):
@@ -112,7 +112,7 @@ def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: Us
     rows = []
     for task, completion in zip(tasks, completions):
         shown = shown_text(completion, single_line=single_line_mode(task.prefix))
-        accepted = shown is not None and user.accepts(task, shown, run_tests=run_tests)
+        accepted = shown is not None and user.accepts(task, shown, run_tests=sandbox_passes)
         outcome = outcome_of(shown, accepted)
         rows.append({"task_id": task.task_id, "completion": completion, "shown": shown, "accepted": accepted,
                      "accepted_chars": len(shown) if accepted else 0, "outcome": outcome,
