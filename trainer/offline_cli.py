@@ -89,6 +89,7 @@ def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> 
     from infra.cli import TabloopError
     from trainer.models import ModelLoadError
     from trainer.offline import OfflineConfig, OfflineRun, run_offline
+    from trainer.proof_cli import user_from_options
     from trainer.tasks import TaskFormatError
     from trainer.weight_store import WeightStoreError
 
@@ -112,13 +113,7 @@ def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> 
                                        max_concurrency=settings.judge_max_concurrency)
         except ValueError as exc:
             raise TabloopError(str(exc)) from None
-    user_model = None
-    if params["scorer"] == "user":
-        from trainer.simulate import UserModel
-
-        user_model = UserModel(params["rule"], params["threshold"])
-    elif any(ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE for n in ("rule", "threshold")):
-        raise click.UsageError("--rule and --threshold only apply with --scorer user")
+    user_model = user_from_options(ctx, params["scorer"], params["rule"], params["threshold"])
     try:
         config = OfflineConfig(algo=params["algo"], group_size=params["group_size"],
                                prompts_per_update=params["prompts_per_update"],

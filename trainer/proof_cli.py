@@ -140,6 +140,17 @@ def simulate(ctx: click.Context, dataset: str, users: int, n_requests: int, dura
 simulate.help = (simulate.help or "") + DATASET_HELP + "."
 
 
+def user_from_options(ctx: click.Context, scorer: str, rule: str, threshold: float):
+    """The simulated user of ``--rule``/``--threshold``; a usage error when they are given without
+    ``--scorer user``, which alone reads them (``tabloop eval``, ``tabloop train --offline``)."""
+    from trainer.simulate import UserModel
+
+    given = [n for n in ("rule", "threshold") if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+    if given and scorer != "user":
+        raise click.UsageError("--rule and --threshold only apply with --scorer user")
+    return UserModel(rule, threshold)
+
+
 # -- eval ----------------------------------------------------------------------------------------------
 
 
@@ -182,19 +193,19 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
     the JSON summary as the last line."""
     from dataclasses import asdict
 
+    from streams.rewards import RewardSpec, RewardSpecs
     from trainer.evaluate import evaluate, load_policy
     from trainer.metrics import markdown_table
     from trainer.models import ModelLoadError
 
     s = _settings(ctx)
-    judge_config = user_model = reward_spec = None
-    if scorer == "user":
-        from streams.rewards import RewardSpecs
-        from trainer.simulate import UserModel
-
-        user_model, reward_spec = UserModel(rule, threshold), RewardSpecs.from_settings(s).default
-    elif any(ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE for n in ("rule", "threshold")):
-        raise click.UsageError("--rule and --threshold only apply with --scorer user")
+    judge_config = None
+    user_model = user_from_options(ctx, scorer, rule, threshold)
+    try:
+        # Only the user scorer reads the reward spec: a bad spec file does not stop an exact-match eval.
+        reward_spec = RewardSpecs.from_settings(s).default if scorer == "user" else RewardSpec()
+    except ValueError as exc:
+        raise _error(str(exc)) from None
     if scorer == "judge":
         from streams.judge import JudgeConfig
 
@@ -212,8 +223,7 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
         model, tokenizer, label = load_policy(s, policy, model_spec=model_spec)
         summary, scored = evaluate(model, tokenizer, task_list, scorer=scorer, samples=samples,
                                    judge_config=judge_config, user_model=user_model, reward_spec=reward_spec,
-                                   temperature=temperature,
-                                   max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                   temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                    max_prompt_tokens=max_prompt_tokens or s.max_prompt_tokens,
                                    with_context=context, seed=seed)
     except (ModelLoadError, ValueError) as exc:
