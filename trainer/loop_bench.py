@@ -288,7 +288,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     from infra.bus import ensure_topics, read_topic
     from infra.kafka_broker import LocalKafka
     from schemas.topics import EPISODES
-    from streams.rewards import RewardSpec
+    from streams.rewards import RewardSpecs
     from trainer.evaluate import evaluate, load_policy
     from trainer.simulate import SimConfig, Simulation, UserModel, records_jsonl
     from trainer.tasks import resolve_dataset
@@ -300,6 +300,9 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     model_spec = resolve_model(base_settings, config.model)
     state_dir = Path(tempfile.mkdtemp(prefix="tabloop-bench-loop-"))
     settings = bench_settings(base_settings, config, state_dir, model_spec)
+    # The spec the bench's streams worker rewards the users' episodes with, so that the figures' rewards are
+    # the ones the trainer learned from.
+    spec = RewardSpecs.from_settings(settings).for_project(SIM_PROJECT)
     train = resolve_dataset("stdlib:train", seed=config.seed, limit=config.train_limit)
     heldout = resolve_dataset("stdlib:heldout", seed=config.seed, limit=config.heldout)
     say(f"bench loop: {len(train)} train tasks, {len(heldout)} held-out tasks, model {model_spec}, "
@@ -343,7 +346,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
         say(f"bench loop: episodes {outcomes}; updates with a non-zero loss: "
             f"{sum(1 for t in trained if t['policy_loss'])} of {len(trained)}")
         say(f"bench loop: versions published: {sorted(published) or 'none'}; evaluating each on held-out tasks")
-        user_model, spec = UserModel(config.rule, config.threshold), RewardSpec()
+        user_model = UserModel(config.rule, config.threshold)
         versions, rows_all = [], []
         for version in versions_to_evaluate(sorted(published), config.max_evals):
             t0 = time.monotonic()
@@ -379,7 +382,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
             v["published_s"] = round(v["published_s"] - first_feedback, 2)
     online = [{"version": v, **{k: part[k] for k in ("completed", "shown", "accepted", *FIGURES[:3])}}
               for v, part in report.by_version().items()]
-    online_rewards = _online_rewards(records, RewardSpec())
+    online_rewards = _online_rewards(records, spec)
     for o in online:
         o["reward_mean"] = online_rewards.get(o["version"])
     result = {
@@ -439,7 +442,8 @@ def _online_rewards(records: Sequence[dict], spec) -> dict[int, float]:
     for r in records:
         if r["error"] is not None or r["policy_version"] is None:
             continue
-        sums.setdefault(r["policy_version"], []).append(acceptance_reward(spec, outcome_of(r["shown"], r["accepted"])))
+        outcome = outcome_of(r["shown"], r["accepted"])
+        sums.setdefault(r["policy_version"], []).append(acceptance_reward(spec, outcome))
     return {v: round(sum(xs) / len(xs), 4) for v, xs in sums.items()}
 
 
@@ -491,8 +495,7 @@ def _click():
     @click.pass_context
     def bench_loop(ctx, minutes, users, model, heldout, train_limit, rule, threshold, batch_size, lr, lora_rank,
                    exploration_temperature, eval_temperature, max_evals, max_tokens, abandon_share, max_staleness,
-                   ignored_ttl, seed, quick,
-                   keep_state, out_dir) -> None:
+                   ignored_ttl, seed, quick, keep_state, out_dir) -> None:
         """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
         split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
         from infra.cli import TabloopError
