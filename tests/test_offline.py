@@ -262,14 +262,14 @@ def test_train_offline_writes_a_version_with_its_manifest(tiny_model, tmp_path):
     lora = _train(env, "--offline", "--lora", "--no-publish", str(data))
     assert lora.exit_code == 1 and "version 2 in the weight store is FULL" in lora.output
     # The user scorer: its user is part of what the version was trained on, and its evaluation has the user's figures.
-    user = _train(env, "--offline", *FAST, "--updates", "1", "--scorer", "user", "--rule", "similarity",
-                  "--threshold", "0.5", "--eval-dataset", str(held), "--no-publish", str(data))
+    user = _train(env, "--offline", *FAST, "--updates", "2", "--scorer", "user", "--rule", "similarity",
+                  "--threshold", "0.1", "--eval-dataset", str(held), "--no-publish", str(data))
     assert user.exit_code == 0, user.output
     summary = json.loads(user.stdout.strip().splitlines()[-1])
-    assert (summary["scorer"], summary["user_rule"], summary["user_threshold"]) == ("user", "similarity", 0.5)
+    assert (summary["scorer"], summary["user_rule"], summary["user_threshold"]) == ("user", "similarity", 0.1)
     assert {"accept_rate_shown", "shown_share", "accepted_chars_per_request"} <= summary["eval_after"].keys()
-    if store.versions()[-1] == 3:  # the one update had a group with signal
-        assert store.manifest(3).training["user_rule"] == "similarity"
+    assert store.versions() == [1, 2, 3], "neither user-scored update had a group with signal"
+    assert (store.manifest(3).training["scorer"], store.manifest(3).training["user_rule"]) == ("user", "similarity")
 
 
 def test_train_offline_refuses_what_it_cannot_do(tiny_model, tmp_path):
