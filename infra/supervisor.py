@@ -358,7 +358,10 @@ class Child:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+        """The process of this run until ``tick`` has seen it exit. Not ``poll()``ed here: a child that died
+        between the tick and a status snapshot would otherwise show no pid beside its old state and restart
+        count (a "healthy", never-restarted row with a pid other than the one killed, as a drill read it)."""
+        return self.proc.pid if self.proc is not None else None
 
     @property
     def healthy(self) -> bool:
@@ -402,6 +405,10 @@ class Supervisor:
             self.out.write(f"{name:<10}| {line}\n")
             self.out.flush()
 
+    def note(self, line: str) -> None:
+        """A line of the supervisor's own, with the wall-clock time (its children's lines carry their own)."""
+        self.say("supervisor", f"{time.strftime('%H:%M:%S')} {line}")
+
     def _pump(self, child: Child, proc: subprocess.Popen) -> None:
         """Copy a child's output to its log file and, prefixed, to ours."""
         name = child.component.name
@@ -424,20 +431,20 @@ class Supervisor:
                 signal.signal(sig, lambda *_: self._stopping.set())
         for child in self.children:
             if child.state == "not installed":
-                self.say("supervisor", f"{child.component.name}: `tabloop {child.component.command[0]}` is not "
-                                       "installed in this tabloop; skipped")
+                self.note(f"{child.component.name}: `tabloop {child.component.command[0]}` is not "
+                          "installed in this tabloop; skipped")
         try:
             while not self._stopping.is_set():
                 self.tick()
                 self._stopping.wait(0.25)
         finally:
-            self.say("supervisor", "stopping")
+            self.note("stopping")
             for child in reversed(self.children):
                 self._stop_child(child)
             self._write_status()
             self.probes.close()
             (self.run_dir / PID_FILE).unlink(missing_ok=True)
-            self.say("supervisor", "stopped")
+            self.note("stopped")
 
     def stop(self) -> None:
         self._stopping.set()
@@ -471,7 +478,7 @@ class Supervisor:
         child.reader = threading.Thread(target=self._pump, args=(child, child.proc), daemon=True,
                                         name=f"pump-{c.name}")
         child.reader.start()
-        self.say("supervisor", f"started {c.name} (pid {child.proc.pid}): tabloop {' '.join(c.command)}")
+        self.note(f"started {c.name} (pid {child.proc.pid}): tabloop {' '.join(c.command)}")
 
     def _on_exit(self, child: Child, now: float) -> None:
         code = child.proc.returncode
@@ -486,7 +493,7 @@ class Supervisor:
         child.restarts += 1
         child.state = "backoff"
         why = f"signal {-code}" if code < 0 else f"code {code}"
-        self.say("supervisor", f"{child.component.name} exited ({why}) after {ran:.1f}s; "
+        self.note(f"{child.component.name} exited ({why}) after {ran:.1f}s; "
                                f"restarting in {delay:.0f}s (restart #{child.restarts})")
 
     def _probe(self, now: float) -> None:
@@ -515,13 +522,13 @@ class Supervisor:
                 # consumer group and never came back (seen after a Kafka outage).
                 if (c.health in ("http", "group") and child.ready_since is not None
                         and now - child.unready_since >= HUNG_RESTART_S):
-                    self.say("supervisor", f"{c.name} has been unhealthy for {HUNG_RESTART_S:.0f}s; restarting it")
+                    self.note(f"{c.name} has been unhealthy for {HUNG_RESTART_S:.0f}s; restarting it")
                     self._kill(child)
             if child.state != was and child.state in ("healthy", "unhealthy"):
-                self.say("supervisor", f"{c.name} is {child.state}")
+                self.note(f"{c.name} is {child.state}")
         if not self._announced and self.all_healthy():
             self._announced = True
-            self.say("supervisor", "all components healthy")
+            self.note("all components healthy")
             if self.on_all_healthy:
                 self.on_all_healthy()
 
@@ -545,7 +552,7 @@ class Supervisor:
             try:
                 child.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                self.say("supervisor", f"{child.component.name} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it")
+                self.note(f"{child.component.name} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it")
                 self._kill(child, signal.SIGKILL)
                 child.proc.wait()
         else:

@@ -33,14 +33,32 @@ def row(status: dict, name: str) -> dict:
     return next(r for r in status["components"] if r["component"] == name)
 
 
-def wait(predicate, timeout_s: float, what: str):
+def wait(predicate, timeout_s: float, what: str, explain=None):
+    """``predicate()`` once it is truthy; AssertionError after ``timeout_s``, with ``explain()`` appended
+    (what a CI log needs to tell why: a status table, the ends of the logs)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f"\n{explain()}" if explain else ""))
+
+
+def explain_system(settings, lines: int = 40) -> str:
+    """The status table, the end of the supervisor's log and of every unhealthy component's log."""
+    from infra.supervisor import log_dir, tail
+
+    table = cli(settings, "status")
+    parts = [f"tabloop status (exit {table.returncode}):\n{table.stdout}{table.stderr}"]
+    try:
+        unhealthy = [r["component"] for r in json.loads(cli(settings, "status", "--json").stdout)["components"]
+                     if not r["healthy"] and r["state"] != "not installed" and r["component"] != "kafka"]
+    except (json.JSONDecodeError, KeyError):
+        unhealthy = []
+    for name in ["supervisor", *unhealthy]:
+        parts.append(f"--- the end of {name}.log ---\n{tail(log_dir(settings) / f'{name}.log', lines)}")
+    return "\n".join(parts)
 
 
 def processes_of(state_dir: Path) -> list[int]:

@@ -33,7 +33,8 @@ from infra.bus import read_topic
 from infra.kafka_broker import free_port
 from schemas.topics import COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, WEIGHTS
 from tests.conftest import TEST_PARTITIONS, make_settings
-from tests.system_helpers import ROOT, cli, env, processes_of, row, stalled_partitions, status, wait
+from tests.system_helpers import (ROOT, cli, env, explain_system, processes_of, row, stalled_partitions, status,
+                                  wait)
 
 KAFKA_OUTAGE_S = 30
 SLACK_S = 3.0  # the supervisor probes every 2 s: "healthy again" is seen up to this late
@@ -74,12 +75,13 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _healthy_again(settings, name: str, old_pid: int, timeout_s: float = 180) -> float:
     wait(lambda: (r := row(status(settings), name))["healthy"] and r["pid"] not in (None, old_pid), timeout_s,
-         f"{name} to be restarted and healthy")
+         f"{name} to be restarted and healthy", explain=lambda: explain_system(settings))
     return time.time()
 
 
 def _all_healthy(settings, timeout_s: float = 180) -> None:
-    wait(lambda: status(settings)["healthy"], timeout_s, "every component to be healthy")
+    wait(lambda: status(settings)["healthy"], timeout_s, "every component to be healthy",
+         explain=lambda: explain_system(settings))
 
 
 def _events(settings, topic: str) -> list:

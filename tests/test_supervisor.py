@@ -22,6 +22,7 @@ from schemas.topics import EPISODES
 from tests.conftest import TEST_PARTITIONS, make_settings
 from tests.serving_helpers import find_events
 from tests.system_helpers import cli as _cli
+from tests.system_helpers import explain_system
 from tests.system_helpers import processes_of as _processes_of
 from tests.system_helpers import row as _row
 from tests.system_helpers import status as _status
@@ -57,6 +58,31 @@ def test_status_table_and_json_when_nothing_runs(tmp_path):
     assert "the supervisor is not running" in table
     proc = _cli(settings, "status", "--json")
     assert proc.returncode == 1 and json.loads(proc.stdout)["running"] is False
+
+
+def test_a_dead_child_keeps_its_pid_until_the_tick_that_counts_its_exit(tmp_path):
+    """A status snapshot is the supervisor's own bookkeeping at one moment: a child that died since the last
+    tick still shows its pid, state and restart count; the tick that sees the exit changes all three."""
+    import io
+
+    settings = make_settings(tmp_path)
+    sup = sv.Supervisor(settings, (sv.Component("quitter", ("kafka", "status"), health="alive", grace_s=30),),
+                        out=io.StringIO())
+    sup.run_dir.mkdir(parents=True)
+    sup.log_dir.mkdir(parents=True)
+    [child] = sup.children
+    try:
+        sup.tick()
+        pid = child.proc.pid
+        child.proc.wait(60)
+        [row] = sup.snapshot()["components"]
+        assert (row["pid"], row["restarts"], row["state"]) == (pid, 0, "starting")
+        sup.tick()
+        [row] = sup.snapshot()["components"]
+        assert (row["pid"], row["restarts"], row["state"], row["healthy"]) == (None, 1, "backoff", False)
+    finally:
+        child.reader.join(10)
+        sup.probes.close()
 
 
 @pytest.mark.kafka
@@ -230,14 +256,15 @@ def test_up_serves_learns_restarts_and_down_leaves_nothing(tiny_model, tmp_path)
         # SIGKILL the streams worker, then the front door twice: each comes back, with a growing back-off.
         old = _row(status, "streams")["pid"]
         os.kill(old, signal.SIGKILL)
-        row = _wait(lambda: (r := _row(_status(settings), "streams"))["healthy"] and r["pid"] != old and r,
-                    120, "streams to be restarted and healthy")
+        row = _wait(lambda: (r := _row(_status(settings), "streams"))["healthy"] and r["pid"] not in (None, old) and r,
+                    120, "streams to be restarted and healthy", explain=lambda: explain_system(settings))
         assert row["restarts"] == 1 and row["last_exit"] == -signal.SIGKILL
         for expected_delay in (1, 2):
             old = _row(_status(settings), "serve")["pid"]
             os.kill(old, signal.SIGKILL)
-            row = _wait(lambda: (r := _row(_status(settings), "serve"))["healthy"] and r["pid"] != old and r,
-                        120, "serve to be restarted and healthy")
+            row = _wait(lambda: (r := _row(_status(settings), "serve"))["healthy"]
+                        and r["pid"] not in (None, old) and r, 120, "serve to be restarted and healthy",
+                        explain=lambda: explain_system(settings))
         assert row["restarts"] == 2
         log = (state / "logs" / "supervisor.log").read_text()
         assert re.search(r"serve exited \(signal 9\) after [\d.]+s; restarting in 1s \(restart #1\)", log)
