@@ -164,16 +164,25 @@ class Probes:
             return None
         return resp.json() if resp.status_code == 200 else None
 
+    def group_state(self, group: str) -> tuple[str, set[str]]:
+        """(state, member ids) of a consumer group. The state as Kafka names it (``STABLE``,
+        ``PREPARING_REBALANCING`` …), or ``unknown: <why>`` when Kafka or the probe process does not say."""
+        answer = self.kafka.ask("group_state", group)
+        return answer if answer is not None else ("unknown: no answer from the probe process", set())
+
     def group_members(self, group: str) -> tuple[bool, set[str]]:
         """(Stable?, member ids) of a consumer group; (False, empty) when Kafka does not say."""
-        answer = self.kafka.ask("group_members", group)
-        return answer if answer is not None else (False, set())
+        state, members = self.group_state(group)
+        return state == "STABLE", members
 
-    def group_ready(self, group: str, members_before: set[str]) -> bool:
+    def group_ready(self, group: str, members_before: set[str]) -> tuple[bool, str]:
         """Stable, with a member that joined after ``members_before`` was taken: a restarted worker is ready
-        once *it* has joined, not while the group still lists the member that died."""
-        stable, members = self.group_members(group)
-        return stable and bool(members - members_before)
+        once *it* has joined, not while the group still lists the member that died. With what was seen,
+        in words (the status shows it)."""
+        state, members = self.group_state(group)
+        joined = members - members_before
+        return (state == "STABLE" and bool(joined),
+                f"group {group} {state}, {len(members)} member(s), {len(joined)} joined since this start")
 
     def lag(self, group: str) -> int | None:
         """Events of the event log (the catalog's topics) the group has not committed yet; None when it has
@@ -247,7 +256,7 @@ def _answer_kafka_probes(conn, settings: Settings) -> None:
     from infra.bus import admin_client
 
     admin = admin_client(settings)
-    questions = {"group_members": _group_members,
+    questions = {"group_state": _group_state,
                  "lag": lambda admin, group: _group_lag(admin, settings, group)}
     while True:
         try:
@@ -257,14 +266,12 @@ def _answer_kafka_probes(conn, settings: Settings) -> None:
         conn.send(questions[question](admin, *args))
 
 
-def _group_members(admin, group: str) -> tuple[bool, set[str]]:
-    from confluent_kafka import ConsumerGroupState
-
+def _group_state(admin, group: str) -> tuple[str, set[str]]:
     try:
         desc = admin.describe_consumer_groups([group], request_timeout=3)[group].result(timeout=5)
-    except Exception:  # broker down, group unknown
-        return False, set()
-    return desc.state == ConsumerGroupState.STABLE, {m.member_id for m in desc.members}
+    except Exception as exc:  # broker down, coordinator moving, group unknown
+        return f"unknown: {exc}"[:200], set()
+    return desc.state.name, {m.member_id for m in desc.members}
 
 
 def _group_lag(admin, settings: Settings, group: str) -> int | None:
@@ -354,6 +361,8 @@ class Child:
     next_start: float = 0.0
     last_exit: int | None = None
     members_before: set[str] = field(default_factory=set)
+    detail: str = ""
+    """What the last readiness probe saw, in words."""
     reader: threading.Thread | None = None
 
     @property
@@ -506,11 +515,15 @@ class Supervisor:
                 ready = body is not None
                 if ready:
                     self.policy_version = body.get("policy_version")
+                detail = f"{self.probes.ready_url} answers 200" if ready else f"no 200 from {self.probes.ready_url}"
             elif c.health == "group":
-                ready = self.probes.group_ready(c.group_for(self.settings), child.members_before)
+                ready, detail = self.probes.group_ready(c.group_for(self.settings), child.members_before)
             else:
-                ready = now - child.started_at >= c.grace_s
-            was = child.state
+                ran = now - child.started_at
+                ready = ran >= c.grace_s
+                detail = f"running {ran:.0f}s (healthy after {c.grace_s:.0f}s)"
+            was, said = child.state, child.detail
+            child.detail = detail
             if ready:
                 child.ready_since = child.ready_since or now
                 child.unready_since = None
@@ -522,10 +535,12 @@ class Supervisor:
                 # consumer group and never came back (seen after a Kafka outage).
                 if (c.health in ("http", "group") and child.ready_since is not None
                         and now - child.unready_since >= HUNG_RESTART_S):
-                    self.note(f"{c.name} has been unhealthy for {HUNG_RESTART_S:.0f}s; restarting it")
+                    self.note(f"{c.name} has been unhealthy for {HUNG_RESTART_S:.0f}s ({detail}); restarting it")
                     self._kill(child)
             if child.state != was and child.state in ("healthy", "unhealthy"):
-                self.note(f"{c.name} is {child.state}")
+                self.note(f"{c.name} is {child.state}: {detail}")
+            elif not ready and c.health != "alive" and detail != said:  # why it is not healthy yet, as that changes
+                self.note(f"{c.name} is {child.state}: {detail}")
         if not self._announced and self.all_healthy():
             self._announced = True
             self.note("all components healthy")
@@ -579,6 +594,7 @@ class Supervisor:
                 "healthy": ch.healthy,
                 "restarts": ch.restarts,
                 "last_exit": ch.last_exit,
+                "detail": ch.detail,
                 "uptime_s": round(now - ch.started_at, 1) if ch.pid else None,
                 "group": ch.component.group_for(self.settings),
                 "log": str((self.log_dir / f"{ch.component.name}.log").resolve()),
@@ -713,6 +729,8 @@ def format_table(status: dict) -> str:
                      show(r.get("restarts")), show(r.get("policy_version")), show(r.get("lag"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"{r['component']}: {r['detail']}" for r in status["components"]
+              if r.get("detail") and not r["healthy"] and r["state"] != "not installed"]
     if not status["running"]:
         lines.append("the supervisor is not running (`tabloop up` starts it)")
     return "\n".join(lines)

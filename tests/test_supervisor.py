@@ -56,6 +56,13 @@ def test_status_table_and_json_when_nothing_runs(tmp_path):
     table = sv.format_table(st)
     assert table.splitlines()[0].split() == ["COMPONENT", "PID", "HEALTHY", "STATE", "RESTARTS", "POLICY", "LAG"]
     assert "the supervisor is not running" in table
+    # Why a component is not healthy is printed under the table.
+    st = {"running": True, "components": [
+        {"component": "streams", "pid": 7, "healthy": False, "state": "unhealthy", "restarts": 0,
+         "detail": "group tabloop-streams PREPARING_REBALANCING, 2 member(s), 1 joined since this start"},
+        {"component": "serve", "pid": 8, "healthy": True, "state": "healthy", "restarts": 0, "detail": "answers"}]}
+    assert sv.format_table(st).splitlines()[3:] == [
+        "streams: group tabloop-streams PREPARING_REBALANCING, 2 member(s), 1 joined since this start"]
     proc = _cli(settings, "status", "--json")
     assert proc.returncode == 1 and json.loads(proc.stdout)["running"] is False
 
@@ -169,6 +176,9 @@ def test_lag_does_not_count_commit_markers(kafka, tmp_path):
 
         assert answered_lag() == 0
         write_transaction(2)
+        # The end a read_committed reader reaches moves once the broker has written the commit markers,
+        # a moment after commit_transaction returns: until then the lag is still 0.
+        _wait(lambda: probes.lag(group) == 2, 30, "a lag of 2")
         assert answered_lag() == 2
     finally:
         reader.close()
@@ -192,6 +202,10 @@ def test_kafka_probes_run_in_a_process_whose_death_the_caller_survives(kafka, tm
     try:
         stable, members = _wait(lambda: (a := probes.group_members(group))[0] and a, 60, "the group to be stable")
         assert len(members) == 1
+        # Ready: Stable with a member that joined since; not while only the members seen before are there.
+        seen = f"group {group} STABLE, 1 member(s), {{}} joined since this start"
+        assert probes.group_ready(group, set()) == (True, seen.format(1))
+        assert probes.group_ready(group, members) == (False, seen.format(0))
         first = probes.kafka._proc.pid
         os.kill(first, signal.SIGABRT)  # what the librdkafka assertion does
         _wait(lambda: not pid_alive(first), 10, "the probe process to die")
@@ -206,6 +220,7 @@ def test_kafka_probes_run_in_a_process_whose_death_the_caller_survives(kafka, tm
     dead.kafka.timeout_s = 1.0
     try:
         assert dead.lag("any") is None and dead.group_members("any") == (False, set())
+        assert dead.group_state("any") == ("unknown: no answer from the probe process", set())
         assert dead.kafka._proc is None  # discarded, not left behind
     finally:
         dead.close()
