@@ -175,14 +175,14 @@ class Probes:
         state, members = self.group_state(group)
         return state == "STABLE", members
 
-    def group_ready(self, group: str, members_before: set[str]) -> tuple[bool, str]:
+    def group_ready(self, group: str, members_before: set[str]) -> tuple[bool | None, str]:
         """Stable, with a member that joined after ``members_before`` was taken: a restarted worker is ready
-        once *it* has joined, not while the group still lists the member that died. With what was seen,
-        in words (the status shows it)."""
+        once *it* has joined, not while the group still lists the member that died. None when Kafka does not
+        say. With what was seen, in words (the status shows it)."""
         state, members = self.group_state(group)
         joined = members - members_before
-        return (state == "STABLE" and bool(joined),
-                f"group {group} {state}, {len(members)} member(s), {len(joined)} joined since this start")
+        ready = None if state.startswith("unknown") else state == "STABLE" and bool(joined)
+        return ready, f"group {group} {state}, {len(members)} member(s), {len(joined)} joined since this start"
 
     def lag(self, group: str) -> int | None:
         """Events of the event log (the catalog's topics) the group has not committed yet; None when it has
@@ -197,13 +197,21 @@ class KafkaProbeProcess:
     """Admin requests to Kafka, answered by a child process (see ``Probes`` for why).
 
     ``ask`` returns None when the child died (it is started again at the next question) or did not
-    answer within ``timeout_s``; the child exits when its pipe closes, so it never outlives us."""
+    answer within ``timeout_s``; the child exits when its pipe closes, so it never outlives us.
 
-    def __init__(self, settings: Settings, timeout_s: float = 15.0):
+    After ``fresh_after`` failed requests in a row the child is replaced too: librdkafka's admin client
+    can stay stuck after a broker restart, every request "Local: Timed out" minutes after the broker
+    answers a new client. The Kafka-outage drill caught it: the streams worker, back in its group, looked
+    unhealthy for good, so the supervisor restarted it, and its successor never looked healthy either.
+    A new probe process every few failed questions is cheap next to that."""
+
+    def __init__(self, settings: Settings, timeout_s: float = 15.0, fresh_after: int = 3):
         self.settings = settings
         self.timeout_s = timeout_s
+        self.fresh_after = fresh_after
         self.restarts = 0
         self._started = False
+        self._failed_in_a_row = 0
         self._proc = None
         self._conn = None
         self._lock = threading.Lock()
@@ -216,10 +224,14 @@ class KafkaProbeProcess:
                 self._conn.send((question, args))
                 if not self._conn.poll(self.timeout_s):
                     raise TimeoutError(f"no answer to {question} within {self.timeout_s:.0f}s")
-                return self._conn.recv()
+                answer, failed = self._conn.recv()
             except (EOFError, OSError, TimeoutError):
                 self._discard()
                 return None
+            self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
+            if self._failed_in_a_row >= self.fresh_after:
+                self._discard()  # the next question starts a new one
+            return answer
 
     def _start(self) -> None:
         import multiprocessing
@@ -227,6 +239,7 @@ class KafkaProbeProcess:
         if self._started:  # counted whether the last one died between questions or during one
             self.restarts += 1
         self._started = True
+        self._failed_in_a_row = 0
         self._discard()
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or locks copied
         ours, theirs = ctx.Pipe()
@@ -252,7 +265,8 @@ class KafkaProbeProcess:
 
 
 def _answer_kafka_probes(conn, settings: Settings) -> None:
-    """The probe process: answer questions until the pipe closes."""
+    """The probe process: answer questions until the pipe closes. Each answer goes with whether Kafka
+    failed the request."""
     from infra.bus import admin_client
 
     admin = admin_client(settings)
@@ -266,16 +280,17 @@ def _answer_kafka_probes(conn, settings: Settings) -> None:
         conn.send(questions[question](admin, *args))
 
 
-def _group_state(admin, group: str) -> tuple[str, set[str]]:
+def _group_state(admin, group: str) -> tuple[tuple[str, set[str]], bool]:
     try:
         desc = admin.describe_consumer_groups([group], request_timeout=3)[group].result(timeout=5)
-    except Exception as exc:  # broker down, coordinator moving, group unknown
-        return f"unknown: {exc}"[:200], set()
-    return desc.state.name, {m.member_id for m in desc.members}
+    except Exception as exc:  # broker down, coordinator moving
+        return (f"unknown: {exc}"[:200], set()), True
+    return (desc.state.name, {m.member_id for m in desc.members}), False
 
 
-def _group_lag(admin, settings: Settings, group: str) -> int | None:
-    """Records of the event log (the catalog's topics) the group has not committed yet.
+def _group_lag(admin, settings: Settings, group: str) -> tuple[int | None, bool]:
+    """Records of the event log (the catalog's topics) the group has not committed yet; None when it has
+    committed nothing there.
 
     A worker's internal topics are left out (the worker's own business). A partition written in
     transactions ends with a commit marker that no reader ever gets, and a reader commits the offset
@@ -293,7 +308,7 @@ def _group_lag(admin, settings: Settings, group: str) -> int | None:
         event_log = {t.name for t in CATALOG}
         parts = [tp for tp in committed.topic_partitions if tp.offset >= 0 and tp.topic in event_log]
         if not parts:
-            return None
+            return None, False
         # read_committed: the end a transactional reader can reach (Faust writes in transactions).
         ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts},
                                   isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=3)
@@ -303,9 +318,9 @@ def _group_lag(admin, settings: Settings, group: str) -> int | None:
             behind[(tp.topic, tp.partition)] = (tp.offset, end.result(timeout=5).offset)
         near = {k: span for k, span in behind.items() if 0 < span[1] - span[0] <= MARKER_SLACK}
         counted = _readable(settings, near) if near else {}
-        return sum(counted.get(k, max(0, end - start)) for k, (start, end) in behind.items())
+        return sum(counted.get(k, max(0, end - start)) for k, (start, end) in behind.items()), False
     except Exception:
-        return None
+        return None, True
 
 
 MARKER_SLACK = 10  # spans this short are read to count their records exactly (commit markers are not records)
@@ -503,13 +518,14 @@ class Supervisor:
         child.state = "backoff"
         why = f"signal {-code}" if code < 0 else f"code {code}"
         self.note(f"{child.component.name} exited ({why}) after {ran:.1f}s; "
-                               f"restarting in {delay:.0f}s (restart #{child.restarts})")
+                  f"restarting in {delay:.0f}s (restart #{child.restarts})")
 
     def _probe(self, now: float) -> None:
         for child in self.children:
             if child.proc is None:
                 continue
             c = child.component
+            kafka_said = True
             if c.health == "http":
                 body = self.probes.front_door()
                 ready = body is not None
@@ -518,6 +534,7 @@ class Supervisor:
                 detail = f"{self.probes.ready_url} answers 200" if ready else f"no 200 from {self.probes.ready_url}"
             elif c.health == "group":
                 ready, detail = self.probes.group_ready(c.group_for(self.settings), child.members_before)
+                kafka_said, ready = ready is not None, bool(ready)
             else:
                 ran = now - child.started_at
                 ready = ran >= c.grace_s
@@ -529,7 +546,9 @@ class Supervisor:
                 child.unready_since = None
                 child.state = "healthy"
             else:
-                child.unready_since = child.unready_since or now
+                # The clock towards a hung restart runs only while Kafka answers: an outage is not the
+                # worker's fault, and a worker started while Kafka is away could not join either.
+                child.unready_since = (child.unready_since or now) if kafka_said else now
                 child.state = "starting" if child.ready_since is None else "unhealthy"
                 # Alive but not doing its job: the front door not answering, or a worker that left its
                 # consumer group and never came back (seen after a Kafka outage).

@@ -6,10 +6,13 @@ the back-off and the status table are checked here by hand.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -70,8 +73,6 @@ def test_status_table_and_json_when_nothing_runs(tmp_path):
 def test_a_dead_child_keeps_its_pid_until_the_tick_that_counts_its_exit(tmp_path):
     """A status snapshot is the supervisor's own bookkeeping at one moment: a child that died since the last
     tick still shows its pid, state and restart count; the tick that sees the exit changes all three."""
-    import io
-
     settings = make_settings(tmp_path)
     sup = sv.Supervisor(settings, (sv.Component("quitter", ("kafka", "status"), health="alive", grace_s=30),),
                         out=io.StringIO())
@@ -96,7 +97,6 @@ def test_a_dead_child_keeps_its_pid_until_the_tick_that_counts_its_exit(tmp_path
 def test_children_are_logged_prefixed_restarted_with_back_off_and_stopped(kafka, tmp_path):
     """The real supervisor on real `tabloop` children: one that never stays up (`kafka status` exits at once),
     one that runs until killed (`events dump --follow`), SIGKILLed mid-run."""
-    import io
     import threading
 
     from infra.bus import ensure_topics
@@ -224,6 +224,45 @@ def test_kafka_probes_run_in_a_process_whose_death_the_caller_survives(kafka, tm
         assert dead.kafka._proc is None  # discarded, not left behind
     finally:
         dead.close()
+
+
+@pytest.mark.kafka
+def test_failed_kafka_questions_get_a_fresh_probe_process_and_no_hung_restart(kafka, tmp_path):
+    """A probe process whose requests keep failing is replaced after ``fresh_after`` of them (a stuck
+    librdkafka client); and a worker is restarted as hung only for what Kafka answered, not while it is
+    silent (an outage is not the worker's fault)."""
+    silent = make_settings(tmp_path / "silent", kafka_bootstrap=f"127.0.0.1:{free_port()}")
+    probes = sv.Probes(silent)
+    try:
+        for _ in range(3):  # Kafka's own failure, answered by the child: not "no answer from the probe process"
+            state, members = probes.group_state("any")
+            assert state.startswith("unknown: ") and "probe process" not in state and members == set()
+        assert probes.kafka._proc is None and probes.kafka.restarts == 0  # discarded after the third
+        probes.group_state("any")
+        assert probes.kafka.restarts == 1 and probes.kafka._proc is not None
+    finally:
+        probes.close()
+
+    # A worker unhealthy for longer than HUNG_RESTART_S, its group empty: restarted when Kafka says so.
+    answering = make_settings(tmp_path / "up", kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    for settings, restarted in ((silent, False), (answering, True)):
+        worker = sv.Component("worker", ("streams",), health="group", group=f"absent-{os.getpid()}-{tmp_path.name}")
+        sup = sv.Supervisor(settings, (worker,), out=io.StringIO())
+        [child] = sup.children
+        child.proc = subprocess.Popen(["sleep", "120"], start_new_session=True)
+        now = child.started_at = time.monotonic()
+        child.ready_since, child.unready_since, child.state = now - 1000, now - sv.HUNG_RESTART_S - 1, "unhealthy"
+        try:
+            sup._probe(now)
+            assert child.state == "unhealthy" and child.detail.startswith(f"group {worker.group} ")
+            if restarted:
+                assert child.proc.wait(10) == -signal.SIGKILL
+            else:  # not killed, and the clock starts again: HUNG_RESTART_S of Kafka's answers are needed
+                assert child.proc.poll() is None and child.unready_since == now
+        finally:
+            child.proc.kill()
+            child.proc.wait()
+            sup.probes.close()
 
 
 # -- the whole system, as `make up` runs it -------------------------------------------------------
