@@ -1,5 +1,6 @@
-"""The streams worker's consumer: it restores its tables after a Kafka restart (changelog highwaters are
-asked of the broker), and never commits past a message still being processed."""
+"""The streams worker after trouble: its consumer restores its tables after a Kafka restart (changelog
+highwaters are asked of the broker) and never commits past a message still being processed; a producer of
+its that died is noticed."""
 
 from __future__ import annotations
 
@@ -90,3 +91,38 @@ def test_commits_never_pass_a_message_still_being_scored(tmp_path):
     consumer._committed_offset[tp] = 10
     consumer._acked[tp][:] = [11, 12, 13]
     assert FaustAIOKafkaConsumer._new_offset(consumer, tp) == 14
+
+
+@pytest.mark.kafka
+def test_a_producer_whose_sender_died_is_named_and_the_others_are_not(kafka):
+    """aiokafka's sender routine can end for good with an error (Kafka stopped mid-transaction); the worker
+    then exits for a fresh one (``exit_if_a_producer_died``). A running producer, a closed one and one not
+    started are alive as far as that check goes."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import KafkaError
+
+    from streams.app import dead_producers
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        running = AIOKafkaProducer(bootstrap_servers=kafka.settings.kafka_bootstrap)
+        await running.start()
+        crashed, closing = (AIOKafkaProducer(bootstrap_servers=kafka.settings.kafka_bootstrap) for _ in range(2))
+
+        async def sender_routine_that_fails():  # how aiokafka's ends on an error it does not expect
+            raise KafkaError("Unexpected error during batch delivery")
+
+        for producer in (crashed, closing):
+            producer._sender._sender_task = asyncio.ensure_future(sender_routine_that_fails())
+            await asyncio.wait([producer._sender.sender_task])
+        closing._closed = True  # being stopped: its sender is done because it was told to
+        never_started = AIOKafkaProducer(bootstrap_servers=kafka.settings.kafka_bootstrap)
+        faust_producer = types.SimpleNamespace(_producer=running, _transaction_producers={
+            "tabloop-streams-1-0": crashed, "tabloop-streams-1-1": closing, "tabloop-streams-1-2": never_started})
+        try:
+            before = dead_producers(faust_producer)
+            faust_producer._producer = crashed
+            return before, dead_producers(faust_producer)
+        finally:
+            await running.stop()
+
+    assert asyncio.run(scenario()) == (["tabloop-streams-1-0"], ["default", "tabloop-streams-1-0"])
