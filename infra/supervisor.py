@@ -517,6 +517,7 @@ class Supervisor:
         child.restarts += 1
         child.state = "backoff"
         why = f"signal {-code}" if code < 0 else f"code {code}"
+        child.detail = f"exited ({why}); restarting in {delay:.0f}s"
         self.note(f"{child.component.name} exited ({why}) after {ran:.1f}s; "
                   f"restarting in {delay:.0f}s (restart #{child.restarts})")
 

@@ -182,7 +182,7 @@ def test_faults_lose_nothing_acknowledged(drill, tiny_model, tmp_path):
         drained = None
         try:
             wait(lambda: _lag_zero(settings, "streams", "trainer", "history"), 480,
-                 "every consumer group's lag to be 0")
+                 "every consumer group's lag to be 0", explain=lambda: explain_system(settings))
             time.sleep(8)
             wait(lambda: _lag_zero(settings, "streams", "trainer", "history"), 120, "lag 0 to hold")
         except AssertionError as exc:  # still check the rest, on what is there

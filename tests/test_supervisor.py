@@ -88,6 +88,7 @@ def test_a_dead_child_keeps_its_pid_until_the_tick_that_counts_its_exit(tmp_path
         sup.tick()
         [row] = sup.snapshot()["components"]
         assert (row["pid"], row["restarts"], row["state"], row["healthy"]) == (None, 1, "backoff", False)
+        assert re.fullmatch(r"exited \(code \d+\); restarting in 1s", row["detail"])
     finally:
         child.reader.join(10)
         sup.probes.close()
