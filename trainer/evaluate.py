@@ -40,6 +40,15 @@ from trainer.tasks import FimTask, iter_batches
 SCORERS = ("exact", "tests", "judge", "user")
 
 
+def scorer_reward_spec(settings, scorer: str) -> RewardSpec:
+    """The rewards ``scorer`` reports: for ``user`` the settings' default spec, the one the streams worker
+    rewards episodes with; Cursor's otherwise. Only the user scorer reads the spec file, so a bad one
+    (ValueError, naming it) does not stop an exact-match run."""
+    from streams.rewards import RewardSpecs
+
+    return RewardSpecs.from_settings(settings).default if scorer == "user" else RewardSpec()
+
+
 # -- the policy ------------------------------------------------------------------------------
 
 def load_policy(settings, policy: str | None = None, *, model_spec: str | None = None, device: str = "cpu"):

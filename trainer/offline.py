@@ -414,11 +414,9 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
     if run.reward_spec is None:
         import dataclasses
 
-        from streams.rewards import RewardSpecs
+        from trainer.evaluate import scorer_reward_spec
 
-        # Only the user scorer reads the settings' spec: a bad spec file does not stop an exact-match run.
-        spec = RewardSpecs.from_settings(settings).default if run.scorer == "user" else RewardSpec()
-        run = dataclasses.replace(run, reward_spec=spec)
+        run = dataclasses.replace(run, reward_spec=scorer_reward_spec(settings, run.scorer))
     score = make_scorer(run.scorer, judge_config=run.judge_config, user_model=run.user_model,
                         reward_spec=run.reward_spec)
     config = run.config

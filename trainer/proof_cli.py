@@ -193,8 +193,7 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
     the JSON summary as the last line."""
     from dataclasses import asdict
 
-    from streams.rewards import RewardSpec, RewardSpecs
-    from trainer.evaluate import evaluate, load_policy
+    from trainer.evaluate import evaluate, load_policy, scorer_reward_spec
     from trainer.metrics import markdown_table
     from trainer.models import ModelLoadError
 
@@ -202,8 +201,7 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
     judge_config = None
     user_model = user_from_options(ctx, scorer, rule, threshold)
     try:
-        # Only the user scorer reads the reward spec: a bad spec file does not stop an exact-match eval.
-        reward_spec = RewardSpecs.from_settings(s).default if scorer == "user" else RewardSpec()
+        reward_spec = scorer_reward_spec(s, scorer)
     except ValueError as exc:
         raise _error(str(exc)) from None
     if scorer == "judge":
