@@ -170,11 +170,6 @@ class Probes:
         answer = self.kafka.ask("group_state", group)
         return answer if answer is not None else ("unknown: no answer from the probe process", set())
 
-    def group_members(self, group: str) -> tuple[bool, set[str]]:
-        """(Stable?, member ids) of a consumer group; (False, empty) when Kafka does not say."""
-        state, members = self.group_state(group)
-        return state == "STABLE", members
-
     def group_ready(self, group: str, members_before: set[str]) -> tuple[bool | None, str]:
         """Stable, with a member that joined after ``members_before`` was taken: a restarted worker is ready
         once *it* has joined, not while the group still lists the member that died. None when Kafka does not
@@ -490,7 +485,7 @@ class Supervisor:
     def _start(self, child: Child) -> None:
         c = child.component
         if c.health == "group":
-            child.members_before = self.probes.group_members(c.group_for(self.settings))[1]
+            child.members_before = self.probes.group_state(c.group_for(self.settings))[1]
         env = {**os.environ, **to_environ(self.settings)}
         env["PYTHONUNBUFFERED"] = "1"
         child.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *c.command], env=env,
