@@ -47,15 +47,17 @@ def wait(predicate, timeout_s: float, what: str, explain=None):
 
 def explain_system(settings, lines: int = 40) -> str:
     """The status table, the end of the supervisor's log and of every unhealthy component's log."""
-    from infra.supervisor import log_dir, tail
+    from infra.supervisor import format_table, log_dir, tail
 
-    table = cli(settings, "status")
-    parts = [f"tabloop status (exit {table.returncode}):\n{table.stdout}{table.stderr}"]
+    proc = cli(settings, "status", "--json")
     try:
-        unhealthy = [r["component"] for r in json.loads(cli(settings, "status", "--json").stdout)["components"]
+        st = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        parts, unhealthy = [f"tabloop status --json (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"], []
+    else:
+        parts = [f"tabloop status:\n{format_table(st)}"]
+        unhealthy = [r["component"] for r in st["components"]
                      if not r["healthy"] and r["state"] != "not installed" and r["component"] != "kafka"]
-    except (json.JSONDecodeError, KeyError):
-        unhealthy = []
     for name in ["supervisor", *unhealthy]:
         parts.append(f"--- the end of {name}.log ---\n{tail(log_dir(settings) / f'{name}.log', lines)}")
     return "\n".join(parts)
