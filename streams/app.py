@@ -56,10 +56,8 @@ def dead_producers(producer) -> list[str]:
     that waits forever. Faust does not notice: the worker stays in its group, healthy to every probe,
     and processes nothing (the Kafka-outage drill caught one 1,939 events behind)."""
     found = []
-    kafka_producers = {"default": getattr(producer, "_producer", None),
-                       **getattr(producer, "_transaction_producers", {})}
-    for name, kafka_producer in kafka_producers.items():
-        task = getattr(getattr(kafka_producer, "_sender", None), "sender_task", None)
+    for name, kafka_producer in {"default": producer._producer, **producer._transaction_producers}.items():
+        task = kafka_producer._sender.sender_task if kafka_producer is not None else None  # None: not started
         if (task is not None and task.done() and not task.cancelled() and task.exception() is not None
                 and not kafka_producer._closed):
             found.append(name)

@@ -94,7 +94,7 @@ def test_commits_never_pass_a_message_still_being_scored(tmp_path):
 
 
 @pytest.mark.kafka
-def test_a_producer_whose_sender_died_is_named_and_the_others_are_not(kafka):
+def test_a_producer_whose_sender_died_is_named_and_the_others_are_not(kafka, tmp_path):
     """aiokafka's sender routine can end for good with an error (Kafka stopped mid-transaction); the worker
     then exits for a fresh one (``exit_if_a_producer_died``). A running producer, a closed one and one not
     started are alive as far as that check goes."""
@@ -116,8 +116,13 @@ def test_a_producer_whose_sender_died_is_named_and_the_others_are_not(kafka):
             await asyncio.wait([producer._sender.sender_task])
         closing._closed = True  # being stopped: its sender is done because it was told to
         never_started = AIOKafkaProducer(bootstrap_servers=kafka.settings.kafka_bootstrap)
-        faust_producer = types.SimpleNamespace(_producer=running, _transaction_producers={
-            "tabloop-streams-1-0": crashed, "tabloop-streams-1-1": closing, "tabloop-streams-1-2": never_started})
+        # The worker's own Faust producer, not started: what it holds is read by the names Faust gives it.
+        faust_producer = build_app(make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)).producer
+        assert (faust_producer._producer, faust_producer._transaction_producers) == (None, {})
+        assert dead_producers(faust_producer) == []
+        faust_producer._producer = running
+        faust_producer._transaction_producers = {
+            "tabloop-streams-1-0": crashed, "tabloop-streams-1-1": closing, "tabloop-streams-1-2": never_started}
         try:
             before = dead_producers(faust_producer)
             faust_producer._producer = crashed
