@@ -121,3 +121,21 @@ def test_canary_rule():
     assert tally.summary() == {"canary_candidate_episodes": 2.0, "canary_candidate_accept_rate": 0.5,
                                "canary_baseline_episodes": 1.0, "canary_baseline_accept_rate": 1.0}
     assert tally.decide(min_episodes=1, margin=0.1) == "ROLLED_BACK"
+
+
+def test_sampling_log_probs_by_hand():
+    from trainer.losses import sampling_log_probs
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    # T = 1, no cut: the softmax itself.
+    assert torch.allclose(sampling_log_probs(logits, 1.0, 1.0).exp(), torch.tensor([[0.5, 0.3, 0.2]]), atol=1e-6)
+    # top-p 0.7: the nucleus is {0.5, 0.3} (0.5 alone is short of 0.7), renormalised to 0.625 / 0.375.
+    cut = sampling_log_probs(logits, 1.0, 0.7)
+    assert torch.allclose(cut[0, :2].exp(), torch.tensor([0.625, 0.375]), atol=1e-6)
+    assert cut[0, 2] == float("-inf")
+    # T = 0.5 squares the probabilities before normalising: 0.25 : 0.09 : 0.04.
+    half = sampling_log_probs(logits, 0.5, 1.0).exp()
+    assert torch.allclose(half, torch.tensor([[0.25, 0.09, 0.04]]) / 0.38, atol=1e-6)
+    # greedy: the point mass on the argmax.
+    greedy = sampling_log_probs(logits, 0.0, 1.0)
+    assert greedy[0, 0] == 0.0 and torch.isinf(greedy[0, 1:]).all()
