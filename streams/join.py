@@ -239,8 +239,11 @@ class EpisodeJoiner:
             completion_id=completion_id, project_id=source["project_id"], user_id=source["user_id"],
             policy_version=completion["policy_version"] if completion else None,
             prompt=(completion or {}).get("prompt") or (fb or {}).get("prompt") or "",
+            prompt_token_ids=list((completion or {}).get("prompt_token_ids") or []),
             completion_text=text, completion_token_ids=list(tokens),
             behaviour_logprobs=list(completion["completion_logprobs"]) if completion else [],
+            # The distribution the behaviour logprobs are of; an unmatched episode has none (its defaults).
+            **({"temperature": completion["temperature"], "top_p": completion["top_p"]} if completion else {}),
             outcome=outcome, reward=composite_reward(spec, components, len(tokens)),
             reward_components=components, scorer="acceptance", matched=completion is not None,
             feedback_event_id=fb["event_id"] if fb else None,

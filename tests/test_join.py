@@ -23,7 +23,8 @@ def sha(text: str) -> str:
 def completion(cid: str, ms: int, text: str = "return x\n", prompt: str = "p", user: str = "u") -> dict:
     return {"completion_id": cid, "served_at": at(ms), "project_id": "acme", "user_id": user, "prompt": prompt,
             "prompt_sha256": sha(prompt), "completion_text": text, "completion_token_ids": [1, 2, 3],
-            "completion_logprobs": [-0.1, -0.2, -0.3], "policy_version": 4}
+            "completion_logprobs": [-0.1, -0.2, -0.3], "policy_version": 4, "temperature": 0.7, "top_p": 0.95,
+            "prompt_token_ids": [7, 8, 9]}
 
 
 def feedback(ms: int, outcome: str = "ACCEPTED", *, cid=None, shown="return x", prompt: str | None = "p",
@@ -51,6 +52,8 @@ def test_by_our_id_and_reward():
         ("c1", "ACCEPTED", 0.75, True, 4)
     assert r["completion_token_ids"] == [1, 2, 3] and r["behaviour_logprobs"] == [-0.1, -0.2, -0.3]
     assert r["reward_components"] == {"acceptance": 0.75}
+    # What the trainer needs to recompute the behaviour distribution: the ids fed, the sampler's T and p.
+    assert (r["prompt_token_ids"], r["temperature"], r["top_p"]) == ([7, 8, 9], 0.7, 0.95)
 
 
 def test_early_feedback_waits_for_its_completion():
@@ -73,6 +76,7 @@ def test_other_user_or_outside_the_window_does_not_match():
     eps, counts = run(events, config)
     assert {e.record["matched"] for e in eps} == {False} and counts["unmatched"] == 2
     assert all(e.record["policy_version"] is None and e.record["completion_token_ids"] == [] for e in eps)
+    assert all(e.record["prompt_token_ids"] == [] and e.record["temperature"] == 1.0 for e in eps)
 
 
 def test_feedback_a_moment_before_its_completion_was_stamped_still_matches():

@@ -85,3 +85,31 @@ def test_samples_take_every_union_branch_and_enum_symbol():
     samples = sample_records(EVENT_TYPES["Episode"].schema_json)
     assert {s["outcome"] for s in samples} == {"ACCEPTED", "REJECTED", "PARTIAL", "IGNORED"}
     assert {s["policy_version"] is None for s in samples} == {True, False}
+
+
+def test_episodes_and_completions_written_before_the_sampling_fields_read_with_their_defaults():
+    # Data written before prompt ids, temperature and top_p were recorded stays readable: no prompt ids
+    # (the trainer re-encodes the prompt) and the T=1, full-vocabulary distribution old engines recorded.
+    import io
+    import json
+
+    import fastavro
+
+    from schemas.codec import SINGLE_OBJECT_MAGIC, Codec, schema_fingerprint
+    from schemas.events import RELEASED_DIR
+    from schemas.examples import example_event
+
+    codec = Codec()
+    for name, version, new in (("Episode", 2, {"prompt_token_ids", "temperature", "top_p"}),
+                               ("CompletionServed", 1, {"prompt_token_ids", "requested_temperature"})):
+        old = fastavro.parse_schema(json.loads((RELEASED_DIR / f"{name}.v{version}.avsc").read_text()))
+        record = {k: v for k, v in example_event(name).record.items() if k not in new}
+        out = io.BytesIO(SINGLE_OBJECT_MAGIC + schema_fingerprint(old))
+        out.seek(0, io.SEEK_END)
+        fastavro.schemaless_writer(out, old, record)
+        read = codec.decode(out.getvalue()).record
+        assert read["prompt_token_ids"] == []
+        if name == "Episode":
+            assert (read["temperature"], read["top_p"]) == (1.0, 1.0)
+        else:
+            assert read["requested_temperature"] is None and read["temperature"] == 0.2
