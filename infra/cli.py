@@ -31,8 +31,23 @@ def main(ctx: click.Context, config_file: str | None) -> None:
         ctx.obj = load_settings(config_file=Path(config_file) if config_file else None)
     except SettingsError as exc:
         raise TabloopError(f"bad setting: {exc}") from None
+    _private_state_dir(ctx.obj)
     logging.basicConfig(level=ctx.obj.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per HTTP request
+
+
+def _private_state_dir(s: Settings) -> None:
+    """Every command makes sure the state dir exists and is 0700 (infra/files.py): the components that write
+    there (spool, streams tables, trainer, ClickHouse) then need no rule of their own, and a dir loosened
+    since (or made by an older tabloop) is tightened. Only the dir itself; what is under it is closed by it."""
+    from infra.files import PrivateFileError, private_dir
+
+    try:
+        private_dir(s.state_dir)
+    except PrivateFileError as exc:
+        raise TabloopError(str(exc)) from None
+    except OSError:
+        pass  # can't be made here (a read-only directory): the commands that write state say so themselves
 
 
 # -- kafka --------------------------------------------------------------------
@@ -345,15 +360,48 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _print_config(s: Settings) -> None:
-    from infra.local import continue_config, new_local_key
+def _print_config(s: Settings, addresses: dict, make_key: bool) -> None:
+    """The addresses of the system at ``addresses`` (``infra.local.endpoints``, as its supervisor recorded them),
+    the dashboard URL with its token, and the Continue config, with a new key when ``make_key`` (and the system
+    checks keys). Terminal only: this output is never a log."""
+    from infra.local import KEY_PLACEHOLDER, continue_config, new_local_key
+    from streams.history_sql import history_token
 
-    key = new_local_key(s)
+    key = new_local_key(s.keys_file) if make_key and addresses["auth"] == "keys" else None
+    click.echo(f"completions {addresses['completions']}, feedback {addresses['feedback']}; "
+               "`tabloop status`, `tabloop down`")
+    token = history_token(s)
+    if token:
+        click.echo(f"dashboard {addresses['history']}/#token={token}")
     click.echo("")
     if key:
         click.echo(f"API key (project 'local'; shown once, only its hash is kept): {key}")
         click.echo("")
-    click.echo(continue_config(s, key))
+    elif addresses["auth"] == "keys":
+        click.echo(f"Put an API key of yours in place of {KEY_PLACEHOLDER} below; `tabloop up --new-key` or "
+                   "`tabloop keys add --project P --user U` makes one.")
+        click.echo("")
+    click.echo(continue_config(addresses, key))
+
+
+def _print_running(s: Settings, pid: int, new_key: bool) -> None:
+    """`tabloop up` on a system that is up: what runs and where, from its supervisor's status — the caller's
+    environment may say other ports, another host or another auth mode."""
+    from infra import supervisor as sv
+
+    st = sv.live_status(s)
+    click.echo(f"tabloop is already running (supervisor pid {pid}, state dir {s.state_dir.resolve()}); "
+               "nothing was started")
+    click.echo(sv.format_table(st))
+    addresses = st.get("addresses")
+    if addresses is None:
+        raise TabloopError(f"the running supervisor has not written its addresses to "
+                           f"{sv.run_dir(s) / sv.STATUS_FILE} (still starting, or an older tabloop): "
+                           "retry in a few seconds, or `tabloop down` and `tabloop up`")
+    if new_key and addresses["auth"] == "open":
+        click.echo("the running system does not check API keys (TABLOOP_AUTH=open): no key made")
+    _print_config(s, addresses, make_key=new_key)
+
 
 @model.command("demo")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
@@ -390,18 +438,20 @@ def model_demo(ctx: click.Context, out_dir: str | None, seed: int, steps: int, m
 @click.option("--foreground", is_flag=True, help="Keep the supervisor in this terminal (Ctrl-C stops everything).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=900, show_default=True,
               help="Seconds to wait for every component to become healthy.")
+@click.option("--new-key", is_flag=True,
+              help="When tabloop is already running, make a new API key too (a start always makes one).")
 @click.pass_context
-def up(ctx: click.Context, foreground: bool, timeout_s: float) -> None:
+def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) -> None:
     """Start the system on this machine: Kafka, the topics, then the front door, the streams worker, the trainer
-    and the history sink under one supervisor. Returns once all are healthy; prints the Continue config."""
+    and the history sink under one supervisor. Returns once all are healthy; prints the Continue config.
+    On a running system: says so, and prints its addresses."""
     from infra import supervisor as sv
+    from infra.local import endpoints
 
     s = _settings(ctx)
     pid = sv.supervisor_pid(s)
     if pid is not None:
-        click.echo(f"tabloop is already up (supervisor pid {pid}):")
-        click.echo(sv.format_table(sv.live_status(s)))
-        _print_config(s)
+        _print_running(s, pid, new_key)
         return
     busy = [p for p in (s.completions_port, s.feedback_port) if not _port_free(s.serve_host, p)]
     if busy:
@@ -419,7 +469,7 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float) -> None:
     if foreground:
         def ready() -> None:
             click.echo(sv.format_table(sv.live_status(s)))
-            _print_config(s)
+            _print_config(s, endpoints(s), make_key=True)
 
         sv.Supervisor(s, on_all_healthy=ready).run()
         _stop_local_broker(s)
@@ -427,15 +477,13 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float) -> None:
     proc = sv.spawn_detached(s)
     click.echo(f"supervisor started (pid {proc.pid}); logs in {sv.log_dir(s).resolve()}; waiting for health…")
     try:
-        sv.wait_all_healthy(s, proc, timeout_s)
+        healthy = sv.wait_all_healthy(s, proc, timeout_s)
     except sv.UpError as exc:
         for line in sv.stop_supervisor(s):
             click.echo(line)
         raise TabloopError(f"{exc}\n(Kafka is still running: `tabloop down` stops it)") from None
     click.echo(sv.format_table(sv.live_status(s)))
-    click.echo(f"completions http://{s.serve_host}:{s.completions_port}/v1, "
-               f"feedback http://{s.serve_host}:{s.feedback_port}; `tabloop status`, `tabloop down`")
-    _print_config(s)
+    _print_config(s, healthy["addresses"], make_key=True)
 
 
 @main.command(hidden=True)

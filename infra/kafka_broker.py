@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.files import PRIVATE_UMASK, open_private, private_dir, write_private
 from infra.settings import Settings
 
 POM = Path(__file__).parent / "kafka" / "pom.xml"
@@ -107,12 +108,15 @@ class LocalKafka:
             raise KafkaLaunchError(f"port {self.port} on {self.host} is already in use; "
                                    "set TABLOOP_KAFKA_BOOTSTRAP to a free one")
         jars = self.fetch()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # The broker's dir and log private, and its data (segments, checkpoints, meta.properties) too: the
+        # broker and the storage tool run with the private umask. The events hold users' code.
+        private_dir(self.settings.state_dir)
+        private_dir(self.dir)
         self._write_config(controller_port=_free_port(self.host))
         classpath = f"{jars}/*"
         if not (self.data_dir / "meta.properties").exists():
             self._format(java, classpath)
-        log = open(self.log_file, "ab")
+        log = open_private(self.log_file)
         proc = subprocess.Popen(
             [java, f"-Xmx{self.settings.kafka_heap}", f"-Xms{self.settings.kafka_heap}",
              "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true",
@@ -121,9 +125,10 @@ class LocalKafka:
              "-cp", classpath, "kafka.Kafka", str(self.properties_file)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # survives the CLI that started it
+            umask=PRIVATE_UMASK,
         )
         log.close()
-        self.pid_file.write_text(f"{proc.pid}\n")
+        write_private(self.pid_file, f"{proc.pid}\n")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -212,8 +217,10 @@ class LocalKafka:
             "num.network.threads": "2",
             "num.io.threads": "4",
         }
-        self.properties_file.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
-        self._log_config.write_text(
+        # Private like everything in the broker's dir (written by this process, not under the broker's umask).
+        write_private(self.properties_file, "".join(f"{k}={v}\n" for k, v in props.items()))
+        write_private(
+            self._log_config,
             "status = warn\n"
             "appender.out.type = Console\nappender.out.name = STDOUT\n"
             "appender.out.layout.type = PatternLayout\nappender.out.layout.pattern = [%d] %p %m (%c)%n\n"
@@ -229,14 +236,14 @@ class LocalKafka:
     def _format(self, java: str, classpath: str) -> None:
         cluster_id_file = self.dir / "cluster.id"
         if not cluster_id_file.exists():
-            cluster_id_file.write_text(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=") + "\n")
+            write_private(cluster_id_file, base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=") + "\n")
         cluster_id = cluster_id_file.read_text().strip()
         proc = subprocess.run(
             [java, "-Xmx256m", f"-Dlog4j2.configurationFile={self._log_config}",
              "-cp", classpath, "kafka.tools.StorageTool", "format",
              # `=`: a base64 id may start with "-", which a separate argument would read as an option.
              f"--cluster-id={cluster_id}", "-c", str(self.properties_file), "--ignore-formatted"],
-            capture_output=True, text=True,
+            capture_output=True, text=True, umask=PRIVATE_UMASK,
         )
         if proc.returncode != 0:
             raise KafkaLaunchError(f"formatting Kafka storage in {self.data_dir} failed:\n{proc.stdout}{proc.stderr}")

@@ -10,7 +10,9 @@ One process runs every component as a child (`tabloop serve`, `tabloop streams`,
   (``restart_delay``); the back-off resets once it has run ``STABLE_AFTER_S``;
 - every couple of seconds each child's readiness is probed (the table below)
   and the whole picture is written to ``<state_dir>/run/status.json``, which
-  `tabloop status` and `tabloop up` read.
+  `tabloop status` and `tabloop up` read (with the addresses its components answer on);
+- the state dir, ``run/`` and ``logs/`` are 0700, the logs 0600, and every child runs with the umask
+  0o077 (``infra/files.py`` says why).
 
 The components are one table, ``COMPONENTS``. A component whose command is not
 (yet) a registered `tabloop` command is reported as "not installed" and skipped.
@@ -32,6 +34,7 @@ from typing import Callable, TextIO
 
 import httpx
 
+from infra.files import PRIVATE_UMASK, open_private, private_dir, write_private
 from infra.kafka_broker import pid_alive
 from infra.settings import Settings, to_environ
 
@@ -129,9 +132,14 @@ def _is_tabloop(pid: int) -> bool:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
+    write_private(path, json.dumps(data, indent=1, default=str))
+
+
+def _private_dirs(settings: Settings) -> None:
+    """The state dir, run/ and logs/ made (or tightened to) 0700 before anything is written there."""
+    private_dir(settings.state_dir)
+    private_dir(run_dir(settings))
+    private_dir(log_dir(settings))
 
 
 # -- probes ------------------------------------------------------------------------------------
@@ -431,7 +439,7 @@ class Supervisor:
     def _pump(self, child: Child, proc: subprocess.Popen) -> None:
         """Copy a child's output to its log file and, prefixed, to ours."""
         name = child.component.name
-        with open(self.log_dir / f"{name}.log", "ab") as log:
+        with open_private(self.log_dir / f"{name}.log") as log:
             for raw in iter(proc.stdout.readline, b""):
                 log.write(raw)
                 log.flush()
@@ -442,9 +450,8 @@ class Supervisor:
 
     def run(self) -> None:
         """Start everything and keep it running until SIGTERM/SIGINT (or ``stop()``)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / PID_FILE).write_text(f"{os.getpid()}\n")
+        _private_dirs(self.settings)
+        write_private(self.run_dir / PID_FILE, f"{os.getpid()}\n")
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stopping.set())
@@ -488,9 +495,10 @@ class Supervisor:
             child.members_before = self.probes.group_state(c.group_for(self.settings))[1]
         env = {**os.environ, **to_environ(self.settings)}
         env["PYTHONUNBUFFERED"] = "1"
+        # The private umask: whatever a component writes (trainer logs, spool, ClickHouse parts) is 0600.
         child.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *c.command], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=_die_with_parent, umask=PRIVATE_UMASK)
         child.started_at = time.monotonic()
         child.ready_since = child.unready_since = None
         child.state = "starting"
@@ -596,11 +604,16 @@ class Supervisor:
     # -- status ------------------------------------------------------------------
 
     def snapshot(self) -> dict:
+        from infra.local import endpoints
+
         now = time.monotonic()
         return {
             "supervisor_pid": os.getpid(),
             "updated_at": time.time(),
             "policy_version": self.policy_version,
+            # Where this supervisor's components answer: `tabloop up` on a running system prints these, not
+            # what its caller's environment would say.
+            "addresses": endpoints(self.settings),
             "components": [{
                 "component": ch.component.name,
                 "command": "tabloop " + " ".join(ch.component.command),
@@ -629,13 +642,13 @@ class UpError(RuntimeError):
 
 def spawn_detached(settings: Settings) -> subprocess.Popen:
     """Start `tabloop supervise` in its own session, its output in logs/supervisor.log."""
-    log_dir(settings).mkdir(parents=True, exist_ok=True)
-    run_dir(settings).mkdir(parents=True, exist_ok=True)
+    _private_dirs(settings)
     (run_dir(settings) / STATUS_FILE).unlink(missing_ok=True)
     env = {**os.environ, **to_environ(settings), "PYTHONUNBUFFERED": "1"}
-    with open(log_dir(settings) / "supervisor.log", "ab") as log:
+    with open_private(log_dir(settings) / "supervisor.log") as log:
         return subprocess.Popen([sys.executable, "-m", "infra.cli", "supervise"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                umask=PRIVATE_UMASK)
 
 
 def wait_all_healthy(settings: Settings, proc: subprocess.Popen, timeout_s: float,
@@ -729,7 +742,8 @@ def live_status(settings: Settings) -> dict:
     healthy = answering and status is not None and all(
         r["healthy"] for r in rows if r["state"] != "not installed")
     return {"supervisor_pid": pid, "running": pid is not None, "healthy": healthy,
-            "updated_at": (status or {}).get("updated_at"), "components": rows}
+            "updated_at": (status or {}).get("updated_at"), "addresses": (status or {}).get("addresses"),
+            "components": rows}
 
 
 def format_table(status: dict) -> str:

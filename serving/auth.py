@@ -123,7 +123,9 @@ class KeyStore:
 
     def _update(self, change: Callable[[dict[str, dict]], T]) -> T:
         """Apply ``change`` to the keys as they are on disk now (another process may have written them)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        from infra.files import private_dir
+
+        private_dir(self.path.parent)  # the state dir: 0700, so the key store (0600 below) sits in a closed dir
         lock = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             with self._lock:

@@ -63,7 +63,9 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
         _fail(f"cannot listen on {s.history_host}:{s.history_port}: {exc} (TABLOOP_HISTORY_PORT)")
     click.echo(f"tabloop history: {', '.join(sink.topics)} -> {s.effective_clickhouse_url} "
                f"(database {store.database}); SQL {server.url}/sql", err=False)
-    click.echo(f"dashboard {server.url}/#token={token}")
+    # Not the token: this line goes to history.log and the supervisor's log. The URL with its token is printed to
+    # the terminal only, by `tabloop history token --url` and `tabloop up`.
+    click.echo(f"dashboard {server.url}/ (its token: `tabloop history token --url` prints the URL with it)")
     sys.stdout.flush()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -79,12 +81,16 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
 
 
 @history.command("token")
+@click.option("--url", "as_url", is_flag=True, help="Print the dashboard's URL with the token in it instead.")
 @click.pass_context
-def history_token_cmd(ctx: click.Context) -> None:
+def history_token_cmd(ctx: click.Context, as_url: bool) -> None:
     """Print the Bearer token of the SQL server and the dashboard (made once if missing)."""
+    from infra.local import endpoints
     from streams.history_sql import history_token
 
-    click.echo(history_token(_settings(ctx), create=True))
+    s = _settings(ctx)
+    token = history_token(s, create=True)
+    click.echo(f"{endpoints(s)['history']}/#token={token}" if as_url else token)
 
 
 @history.command("schema")

@@ -1,0 +1,139 @@
+"""`tabloop up` on a system that is already up: it says so and prints the running system's own addresses
+(from its supervisor's status), not ones built from the caller's environment, and makes no key unless asked."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import threading
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from infra import supervisor as sv
+from infra.kafka_broker import free_port
+from infra.local import KEY_PLACEHOLDER, client_host, endpoints
+from infra.settings import to_environ
+from serving.auth import KeyStore
+from tests.conftest import TEST_PARTITIONS, make_settings
+from tests.system_helpers import cli as _cli
+from tests.system_helpers import processes_of as _processes_of
+from tests.system_helpers import wait as _wait
+
+
+def test_client_host_turns_wildcards_into_loopback():
+    assert [client_host(h) for h in ("0.0.0.0", "::", "[::]", "127.0.0.1", "example.org", "::1", "")] == [
+        "127.0.0.1", "[::1]", "[::1]", "127.0.0.1", "example.org", "[::1]", "127.0.0.1"]
+
+
+def test_the_status_holds_the_addresses_the_supervisor_runs_with(tmp_path):
+    settings = make_settings(tmp_path, serve_host="0.0.0.0", completions_port=18081, feedback_port=18082,
+                             history_port=18084)
+    snap = sv.Supervisor(settings, (), out=io.StringIO()).snapshot()
+    assert snap["addresses"] == {
+        "completions": "http://127.0.0.1:18081/v1", "feedback": "http://127.0.0.1:18082",
+        "history": "http://127.0.0.1:18084", "auth": "keys", "kafka_bootstrap": settings.kafka_bootstrap,
+        "state_dir": str(tmp_path.resolve())}
+
+
+@pytest.fixture
+def running(tmp_path, monkeypatch):
+    """A real supervisor (no components: nothing to wait for) writing its status from settings of its own,
+    and a caller whose environment says other ports, another host and open auth. The supervisor runs in
+    this test's process, which is not a `tabloop` CLI: the check that the pid file's process is one is the
+    only thing told otherwise."""
+    state = tmp_path / "state"
+    running = make_settings(state, serve_host="127.0.0.1", completions_port=free_port(),
+                            feedback_port=free_port(), history_port=free_port(), auth="keys",
+                            kafka_bootstrap=f"127.0.0.1:{free_port()}")
+    caller = make_settings(state, serve_host="0.0.0.0", completions_port=free_port(), feedback_port=free_port(),
+                           auth="open", kafka_bootstrap=running.kafka_bootstrap)
+    sup = sv.Supervisor(running, (), out=io.StringIO())
+    thread = threading.Thread(target=sup.run)
+    thread.start()
+    try:
+        _wait(lambda: sv.read_status(running), 30, "the supervisor's first status")
+        monkeypatch.setattr(sv, "_is_tabloop", lambda pid: pid == os.getpid())
+        yield running, caller
+    finally:
+        sup.stop()
+        thread.join(30)
+
+
+def _up(settings, *args):
+    """`tabloop up ARGS` in this process, with ``settings`` as its whole TABLOOP_* environment."""
+    from infra.cli import main
+
+    env = {k: None for k in os.environ if k.startswith("TABLOOP_")} | to_environ(settings)
+    return CliRunner().invoke(main, ["up", *args], env=env, catch_exceptions=False)
+
+
+def test_up_on_a_running_system_prints_its_addresses_and_makes_no_key(running):
+    settings, caller = running
+    result = _up(caller)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert f"tabloop is already running (supervisor pid {os.getpid()}" in out and "nothing was started" in out
+    real = endpoints(settings)
+    assert f"apiBase: {real['completions']}" in out
+    assert f"destination: {real['feedback']}/api/continue/events" in out
+    assert f"completionTrackingUrl: {real['feedback']}/api/training/submit" in out
+    # Nothing from the caller's environment: not its host, ports or auth mode.
+    assert "0.0.0.0" not in out and "unused-in-open-mode" not in out
+    assert str(caller.completions_port) not in out and str(caller.feedback_port) not in out
+    assert f"apiKey: {KEY_PLACEHOLDER}" in out and "tabloop up --new-key" in out
+    assert KeyStore(settings.keys_file).list() == []
+
+
+def test_up_new_key_on_a_running_system_makes_one_key_for_it(running):
+    settings, caller = running
+    result = _up(caller, "--new-key")
+    assert result.exit_code == 0, result.output
+    key = re.search(r"apiKey: (tlk_\S+)", result.output).group(1)
+    assert f"API key (project 'local'; shown once, only its hash is kept): {key}" in result.output
+    [principal] = KeyStore(settings.keys_file).list()
+    assert principal.project_id == "local"
+    assert KeyStore(settings.keys_file).verify(key).key_id == principal.key_id
+
+
+@pytest.mark.drill
+def test_up_twice_then_down(tiny_model, tmp_path):
+    """The whole system with the tiny model: the second `up`, from another environment, reports the first."""
+    state = tmp_path / "state"
+    settings = make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}", completions_port=free_port(),
+                             feedback_port=free_port(), history_port=free_port(),
+                             topic_partitions=TEST_PARTITIONS, model=tiny_model)
+    caller = settings.model_copy(update={"serve_host": "0.0.0.0", "auth": "open",
+                                         "completions_port": free_port()})
+    try:
+        first = _cli(settings, "up", timeout=600)
+        assert first.returncode == 0, first.stdout + first.stderr
+        key = re.search(r"apiKey: (tlk_\S+)", first.stdout).group(1)
+        token = (state / "history.token").read_text().strip()
+        assert f"dashboard http://127.0.0.1:{settings.history_port}/#token={token}" in first.stdout
+
+        again = _cli(caller, "up", timeout=120)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "tabloop is already running" in again.stdout
+        assert f"apiBase: http://127.0.0.1:{settings.completions_port}/v1" in again.stdout
+        assert "0.0.0.0" not in again.stdout and "unused-in-open-mode" not in again.stdout
+        assert re.search(r"tlk_", again.stdout) is None and len(KeyStore(settings.keys_file).list()) == 1
+        # The key the first `up` printed works on the addresses the second printed.
+        resp = httpx.post(f"http://127.0.0.1:{settings.completions_port}/v1/completions",
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"prompt": "x = ", "max_tokens": 2}, timeout=60)
+        assert resp.status_code == 200, resp.text
+
+        # Secrets stay secret on the whole running system: nothing under the state dir is open to others,
+        # and no log holds the dashboard token.
+        from tests.test_file_modes import loose
+
+        assert loose(state) == {}
+        for log in (state / "logs").glob("*.log"):
+            assert token not in log.read_text(errors="replace"), log
+    finally:
+        down = _cli(settings, "down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert _processes_of(state) == []
