@@ -10,7 +10,9 @@ Two stages, each keyed the way its input is partitioned (DESIGN → Joining with
   plus the allowed lateness.
 - ``EpisodeJoiner`` (by completion id): one episode per completion, from the first
   decision on it; later feedback on the same completion is a duplicate. A
-  completion with no feedback within its TTL closes as IGNORED.
+  completion with no feedback within its TTL closes as IGNORED. A completion that
+  showed nothing (``shows_nothing``) is an IGNORED episode at once: no IDE reports
+  a decision on an empty suggestion, and "show nothing" is an action to learn.
 
 Time is event time ("stream time" = the newest event time seen), so the same
 input, in any order within the lateness, gives the same episodes — replays too.
@@ -40,6 +42,10 @@ class JoinConfig:
     """A completion with no feedback this long after it was served is IGNORED."""
     emit_ignored: bool = False
     """Episodes for IGNORED completions (reward ``ignored``), or none (the default, as Cursor)."""
+    emit_empty: bool = True
+    """A completion that showed nothing is an IGNORED episode at once (reward ``ignored``), whatever
+    ``emit_ignored`` says: no IDE reports a decision on an empty suggestion, so without this "show nothing"
+    would never be trained, and the policy could only learn to show more (see ``shows_nothing``)."""
     keep_unmatched: bool = True
     """Unmatched and cache-hit feedback become off-policy episodes (matched=false), or are dropped."""
     idle_close_ms: int = 5 * 60_000
@@ -58,6 +64,13 @@ class JoinConfig:
 
 def millis(t) -> int:
     return int(t.timestamp() * 1000) if isinstance(t, datetime) else int(t)
+
+
+def shows_nothing(completion: dict) -> bool:
+    """The completion showed the user nothing: the model ended it (end of sequence first, or a stop cut it
+    to nothing) with no text, or only whitespace, which IDEs don't show (Continue trims it). A client that
+    went away before anything was shown (``aborted``) is not the model's choice, so it is not one."""
+    return not completion.get("aborted") and not completion["completion_text"].strip()
 
 
 def _feedback_identity(fb: dict) -> str:
@@ -154,6 +167,15 @@ class EpisodeJoiner:
         if cid in self.open or cid in self.closed:
             self.counts["duplicate_completions"] += 1
             return []
+        if self.config.emit_empty and shows_nothing(completion):
+            # Its episode needs no decision: it is closed at once, and feedback that names it anyway
+            # (early or late) is a duplicate of this decision.
+            self.closed[cid] = millis(completion["served_at"])
+            self.counts["empty"] += 1
+            self.counts["episodes"] += 1
+            for fb in self.early.pop(cid, []):
+                self.counts["duplicate_feedback"] += 1
+            return [self.episode(completion, None)]
         self.open[cid] = completion
         waiting = self.early.pop(cid, [])
         if not waiting:
@@ -230,6 +252,7 @@ class EpisodeJoiner:
             fraction = fb["accepted_chars"] / len(text)
         components = {"acceptance": acceptance_reward(spec, outcome, fraction)}
         tokens = completion["completion_token_ids"] if completion else []
+        n_tokens = self.specs.completion_tokens(spec, tokens, text)  # unmatched: the text's, not none
         completion_id = completion["completion_id"] if completion else f"unmatched-{fb['event_id']}"
         times = [millis(x) for x in ((completion or {}).get("served_at"), (fb or {}).get("received_at")) if x]
         return new_event(
@@ -240,11 +263,12 @@ class EpisodeJoiner:
             policy_version=completion["policy_version"] if completion else None,
             prompt=(completion or {}).get("prompt") or (fb or {}).get("prompt") or "",
             prompt_token_ids=list((completion or {}).get("prompt_token_ids") or []),
+            prompt_sha256=source.get("prompt_sha256"),
             completion_text=text, completion_token_ids=list(tokens),
             behaviour_logprobs=list(completion["completion_logprobs"]) if completion else [],
             # The distribution the behaviour logprobs are of; an unmatched episode has none (its defaults).
             **({"temperature": completion["temperature"], "top_p": completion["top_p"]} if completion else {}),
-            outcome=outcome, reward=composite_reward(spec, components, len(tokens)),
+            outcome=outcome, reward=composite_reward(spec, components, n_tokens),
             reward_components=components, scorer="acceptance", matched=completion is not None,
             feedback_event_id=fb["event_id"] if fb else None,
         )

@@ -10,9 +10,10 @@ the rest renormalised, so a missing judge score is not a zero.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import yaml
 
@@ -67,6 +68,18 @@ class RewardSpecs:
 
     default: RewardSpec = field(default_factory=RewardSpec)
     projects: Mapping[str, RewardSpec] = field(default_factory=dict)
+    count_tokens: Callable[[str], int] | None = field(default=None, compare=False, repr=False)
+    """Tokens of a completion text the join has no token ids for (unmatched feedback: the trainer
+    re-encodes its text), for the length penalty; None: the served model's tokenizer
+    (``served_token_counter``), loaded the first time a penalised unmatched episode needs it."""
+
+    def completion_tokens(self, spec: RewardSpec, token_ids, text: str) -> int:
+        """The token count ``spec``'s length penalty is charged on: the served tokens when known, else the
+        text's tokens as the trainer will encode them (never 0 for a non-empty text, which would let an
+        unmatched episode escape the penalty)."""
+        if token_ids or not spec.length_penalty_per_token or not text:
+            return len(token_ids)
+        return (self.count_tokens or served_token_counter())(text)
 
     def for_project(self, project_id: str) -> RewardSpec:
         return self.projects.get(project_id, self.default)
@@ -98,3 +111,23 @@ class RewardSpecs:
         default = spec("default", data.get("default", {}))
         projects = {name: spec(f"projects.{name}", raw) for name, raw in (data.get("projects") or {}).items()}
         return cls(default, projects)
+
+
+def served_token_counter(settings=None) -> Callable[[str], int]:
+    """Counts tokens with the served model's tokenizer (``TABLOOP_MODEL``; ``settings`` or the
+    environment's), the way the trainer encodes a completion text: without special tokens."""
+    if settings is None:
+        from infra.settings import Settings
+
+        settings = Settings()
+    from trainer.models import resolve_model_spec
+
+    return _counter(resolve_model_spec(settings))
+
+
+@functools.cache
+def _counter(model_spec: str) -> Callable[[str], int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_spec)
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 import pytest
 
 from streams.join import JoinConfig, JoinPipeline
-from streams.rewards import RewardSpecs
+from streams.rewards import RewardSpec, RewardSpecs
 
 T0 = 1_800_000_000_000
 
@@ -20,8 +20,9 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def completion(cid: str, ms: int, text: str = "return x\n", prompt: str = "p", user: str = "u") -> dict:
-    return {"completion_id": cid, "served_at": at(ms), "project_id": "acme", "user_id": user, "prompt": prompt,
+def completion(cid: str, ms: int, text: str = "return x\n", prompt: str = "p", user: str = "u",
+               aborted: bool = False) -> dict:
+    return {"aborted": aborted, "completion_id": cid, "served_at": at(ms), "project_id": "acme", "user_id": user, "prompt": prompt,
             "prompt_sha256": sha(prompt), "completion_text": text, "completion_token_ids": [1, 2, 3],
             "completion_logprobs": [-0.1, -0.2, -0.3], "policy_version": 4, "temperature": 0.7, "top_p": 0.95,
             "prompt_token_ids": [7, 8, 9]}
@@ -138,3 +139,27 @@ def test_same_episodes_whatever_the_order_within_lateness():
     assert len(baseline) == 50
     assert sorted((e.event_id, e.record["reward"]) for e in again) == \
         sorted((e.event_id, e.record["reward"]) for e in baseline)
+
+
+def test_a_completion_that_shows_nothing_is_an_ignored_episode_at_once():
+    """No IDE reports a decision on an empty suggestion: without an episode of its own, "show nothing"
+    (end of sequence first) would never be trained. Its reward is the spec's ``ignored``."""
+    specs = RewardSpecs(projects={"acme": RewardSpec(ignored=0.1)})
+    events = [("c", completion("empty", 0, text="")), ("c", completion("blank", 10, text=" \n ", prompt="q")),
+              ("c", completion("gone", 20, text="", prompt="r", aborted=True)),  # the client left: no choice
+              ("c", completion("shown", 30, prompt="s"))]
+    eps, counts = run(events, specs=specs)
+    assert [(e.record["completion_id"], e.record["outcome"], e.record["reward"], e.record["matched"])
+            for e in eps] == [("empty", "IGNORED", 0.1, True), ("blank", "IGNORED", 0.1, True)]
+    r = eps[0].record
+    assert r["completion_token_ids"] == [1, 2, 3] and r["feedback_event_id"] is None
+    assert (r["temperature"], r["top_p"], r["prompt_token_ids"]) == (0.7, 0.95, [7, 8, 9])
+    assert counts["empty"] == 2 and counts["episodes"] == 2
+    # Feedback naming it anyway, before or after, is a duplicate of that episode, not a second one.
+    eps, counts = run([("f", feedback(5, "REJECTED", cid="empty", shown=None, prompt=None)),
+                       ("c", completion("empty", 0, text="")),
+                       ("f", feedback(50, "ACCEPTED", cid="empty", shown=None, prompt=None))])
+    assert [e.record["outcome"] for e in eps] == ["IGNORED"] and counts["duplicate_feedback"] == 2
+    # Off: it waits for its TTL like any completion, and IGNORED emits nothing by default.
+    eps, counts = run(events[:1] + [("c", completion("late", 10 ** 8, prompt="z"))], JoinConfig(emit_empty=False))
+    assert eps == [] and counts["ignored"] == 1

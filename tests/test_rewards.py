@@ -51,3 +51,29 @@ def test_spec_validation_and_yaml(tmp_path):
     path.write_text("projects:\n  acme: {acepted: 1.0}\n")
     with pytest.raises(ValueError, match="projects.acme has unknown key.*acepted"):
         RewardSpecs.from_yaml(path)
+
+
+def test_length_penalty_reaches_unmatched_episodes():
+    """Unmatched feedback has no served token ids; its text is what the trainer encodes and trains on, so the
+    penalty is charged on the text's tokens (here a counter of words), not on zero tokens."""
+    from tests.test_join import feedback, run
+
+    spec = RewardSpec(length_penalty_per_token=0.01)
+    specs = RewardSpecs(spec, count_tokens=lambda text: len(text.split()))
+    eps, _ = run([("f", feedback(0, cache_hit=True, shown="return a + b", client_id="k"))], specs=specs)
+    [ep] = eps
+    assert ep.record["matched"] is False
+    assert ep.record["reward"] == pytest.approx(0.75 - 0.01 * 4)  # "return", "a", "+", "b"
+    assert specs.completion_tokens(spec, [5, 6], "ignored text") == 2  # served tokens when known
+    assert specs.completion_tokens(RewardSpec(), [], "no penalty, no tokenizer needed") == 0
+
+
+def test_served_token_counter_uses_the_served_models_tokenizer(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from streams.rewards import served_token_counter
+    from tests.conftest import make_settings
+
+    count = served_token_counter(make_settings(tmp_path, model=tiny_model))
+    text = "def f(x):\n    return x  # é"
+    assert count(text) == len(AutoTokenizer.from_pretrained(tiny_model).encode(text, add_special_tokens=False)) > 4
