@@ -87,6 +87,12 @@ class UnitTestsIndex:
     def for_prompt(self, prompt: str) -> str | None:
         return self.tests_by_sha.get(hashlib.sha256(prompt.encode()).hexdigest())
 
+    def for_episode(self, episode: dict) -> str | None:
+        """The tests of the prompt the client sent (its hash: what feedback and tests files know), else of
+        the prompt the model was served (they differ when the request sent a ``suffix``, or was trimmed)."""
+        by_client = self.tests_by_sha.get(episode.get("prompt_sha256") or "")
+        return by_client if by_client is not None else self.for_prompt(episode["prompt"])
+
 
 @dataclass
 class Scorers:
@@ -117,7 +123,7 @@ class Scorers:
         out = []
         if spec.weights.get("judge", 0) > 0 and self.judge is not None:
             out.append("judge")
-        if spec.weights.get("tests", 0) > 0 and self.tests is not None and self.tests.for_prompt(episode["prompt"]):
+        if spec.weights.get("tests", 0) > 0 and self.tests is not None and self.tests.for_episode(episode):
             out.append("tests")
         return out
 
@@ -136,7 +142,7 @@ class Scorers:
                 else:
                     errors["judge"] = result.error or "no score"
             if "tests" in wanted:
-                program = f"{prefix}{text}{suffix}\n\n{self.tests.for_prompt(episode['prompt'])}\n"
+                program = f"{prefix}{text}{suffix}\n\n{self.tests.for_episode(episode)}\n"
                 try:
                     result = await asyncio.to_thread(run_tests, program, timeout_s=self.tests_timeout_s,
                                                      memory_bytes=self.tests_memory_bytes)

@@ -1,0 +1,33 @@
+"""The tests scorer finds a task's tests by the prompt the client sent, not only by the prompt the model was
+served: a request with a ``suffix`` is served a FIM prompt built from it, whose hash no tests file knows."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+
+from serving.fim import build_fim_prompt
+from streams.rewards import RewardSpec
+from streams.scoring import Scorers, UnitTestsIndex
+
+SPEC = RewardSpec(weights={"acceptance": 0.5, "tests": 0.5})
+PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+TESTS = "assert add(2, 3) == 5\n"
+
+
+def test_tests_keyed_by_the_client_prompt_score_a_request_that_sent_a_suffix(tmp_path):
+    client_sha = hashlib.sha256(PREFIX.encode()).hexdigest()  # the request's `prompt`: the prefix alone
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"prompt_sha256": client_sha, "tests": TESTS}) + "\n")
+    scorers = Scorers(tests=UnitTestsIndex.from_jsonl(path), tests_timeout_s=20)
+    episode = {"completion_id": "c1", "project_id": "p", "prompt": build_fim_prompt(PREFIX, SUFFIX),
+               "prompt_sha256": client_sha, "completion_text": "a + b", "completion_token_ids": [1, 2],
+               "matched": True, "reward_components": {"acceptance": 0.75}}
+    assert scorers.wanted(SPEC, episode) == ["tests"]
+    components, errors = asyncio.run(scorers.score(SPEC, episode, ["tests"]))
+    assert (components, errors) == ({"tests": 0.75}, {})
+    # Episodes written before they carried the client's hash still find tests keyed by the served prompt.
+    served = {k: v for k, v in episode.items() if k != "prompt_sha256"}
+    by_served = UnitTestsIndex({hashlib.sha256(served["prompt"].encode()).hexdigest(): TESTS})
+    assert by_served.for_episode(served) == TESTS and by_served.for_episode(episode) == TESTS
