@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 import click
@@ -453,6 +454,12 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) ->
     if pid is not None:
         _print_running(s, pid, new_key)
         return
+    # From here `up` writes the system's state (Kafka's config, the demo model, a key; with --foreground it is
+    # the supervisor): all of it private, as its children are (infra/files.py). Not earlier: `up` on a running
+    # system changes nothing.
+    from infra.files import PRIVATE_UMASK
+
+    os.umask(PRIVATE_UMASK)
     busy = [p for p in (s.completions_port, s.feedback_port) if not _port_free(s.serve_host, p)]
     if busy:
         raise TabloopError(f"port(s) {', '.join(map(str, busy))} on {s.serve_host} are in use (another tabloop? "
