@@ -108,6 +108,8 @@ class Settings(BaseModel):
     trainer_lr: float = Field(1e-5, gt=0, le=1, description="AdamW learning rate (after warm-up)")
     trainer_warmup_updates: int = Field(10, ge=0, description="linear learning-rate warm-up, in updates")
     trainer_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip")
+    trainer_clip_ratio_c: float = Field(3.0, gt=1, description="dual clip: a token with a negative advantage "
+                                        "adds at most this times |A| to the loss, however stale its episode")
     trainer_kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference (base) policy; 0 = off")
     trainer_entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight; 0 = off")
     trainer_max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")

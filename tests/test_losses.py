@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from trainer.canary import CanaryTally, canary_decision
-from trainer.losses import (BaselineState, baseline_advantages, completion_mask, entropy_from_logits, grpo_advantages,
-                            kl_k3, masked_mean, ppo_clipped_loss, rloo_advantages, token_logprobs)
+from trainer.losses import (LOGPROB_FLOOR, BaselineState, baseline_advantages, completion_mask, entropy_from_logits,
+                            grpo_advantages, kl_k3, masked_mean, policy_token_logprobs, ppo_clipped_loss,
+                            rloo_advantages, token_logprobs)
 
 
 def test_ppo_ratio_and_clipping_positive_advantage():
@@ -25,8 +26,8 @@ def test_ppo_ratio_and_clipping_positive_advantage():
     out.loss.backward()
     # d/dlogp of −ratio/2 = −ratio/2: 0 where clipped, −0.25 at token 2.
     assert logprobs.grad[0].tolist() == pytest.approx([0.0, -0.25])
-    # KL(behaviour‖current), k3 per token: e^{−ln1.5} + ln1.5 − 1 = 0.07213; e^{ln2} − ln2 − 1 = 0.30685.
-    assert out.approx_kl == pytest.approx((0.0721318 + 0.3068528) / 2, abs=1e-6)
+    # KL(behaviour‖current), k3 per token with r = π/μ: r − 1 − ln r: 0.5 − ln1.5 = 0.094535; ln2 − 0.5 = 0.193147.
+    assert out.approx_kl == pytest.approx((0.0945349 + 0.1931472) / 2, abs=1e-6)
 
 
 def test_ppo_negative_advantage_clips_the_other_side():
@@ -139,3 +140,53 @@ def test_sampling_log_probs_by_hand():
     # greedy: the point mass on the argmax.
     greedy = sampling_log_probs(logits, 0.0, 1.0)
     assert greedy[0, 0] == 0.0 and torch.isinf(greedy[0, 1:]).all()
+
+
+def test_approx_kl_is_kl_of_behaviour_to_current():
+    # The tokens are drawn from the behaviour policy μ = (3/4, 1/4); the current policy is π = (1/2, 1/2).
+    # Four tokens in μ's proportions (a, a, a, b) make the sample mean the exact expectation under μ, and
+    # E_μ[r − 1 − ln r] with r = π/μ is E_μ[π/μ] − 1 + KL(μ‖π) = KL(μ‖π)
+    # = 3/4 ln(3/2) + 1/4 ln(1/2) = 0.304099 − 0.173287 = 0.130812.
+    # (The arguments reversed give E_μ[μ/π − 1 − ln(μ/π)] = 1.25 − 1 − 0.130812 = 0.119188.)
+    behaviour = torch.tensor([[math.log(0.75)] * 3 + [math.log(0.25)]])
+    current = torch.full((1, 4), math.log(0.5))
+    out = ppo_clipped_loss(current, behaviour, torch.tensor([0.0]), torch.ones((1, 4)))
+    assert out.approx_kl == pytest.approx(0.75 * math.log(1.5) + 0.25 * math.log(0.5), abs=1e-6)
+
+
+def test_dual_clip_caps_negative_advantages_of_stale_tokens():
+    # A = −1, ratio 20 (a stale episode whose token the current policy now likes 20× more).
+    # PPO alone: −min(20·(−1), 1.2·(−1)) = 20 per token, gradient 20. Dual clip c = 3: min(20, 3) = 3, no gradient.
+    logprobs = torch.tensor([[math.log(20.0), math.log(2.0)]], requires_grad=True)
+    out = ppo_clipped_loss(logprobs, torch.zeros((1, 2)), torch.tensor([-1.0]), torch.ones((1, 2)), clip_ratio_c=3.0)
+    # Token 2, ratio 2 < c: the plain PPO term, max(2, 1.2) = 2, gradient 2. Loss = (3 + 2) / 2.
+    assert out.loss.item() == pytest.approx(2.5)
+    assert out.dual_clip_fraction == pytest.approx(0.5)
+    out.loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, 1.0])  # d/dlogp of ratio/2 at ratio 2 is 1
+    # A positive advantage is untouched by c: ratio 20 is PPO-clipped at 1.2 → loss −1.2, no gradient.
+    pos = ppo_clipped_loss(torch.tensor([[math.log(20.0)]]), torch.zeros((1, 1)), torch.tensor([1.0]),
+                           torch.ones((1, 1)), clip_ratio_c=3.0)
+    assert pos.loss.item() == pytest.approx(-1.2) and pos.dual_clip_fraction == 0.0
+    # c = inf: the plain PPO loss, (20 + 2) / 2.
+    plain = ppo_clipped_loss(torch.tensor([[math.log(20.0), math.log(2.0)]]), torch.zeros((1, 2)),
+                             torch.tensor([-1.0]), torch.ones((1, 2)), clip_ratio_c=math.inf)
+    assert plain.loss.item() == pytest.approx(11.0)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        ppo_clipped_loss(logprobs, torch.zeros((1, 2)), torch.tensor([-1.0]), torch.ones((1, 2)), clip_ratio_c=1.0)
+
+
+def test_policy_token_logprobs_per_row_sampler_and_floor():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.2]], [[0.5, 0.3, 0.2]]])).requires_grad_(True)
+    targets = torch.tensor([[1], [2]])
+    # Row 0 at T = 0.5: 0.09 / 0.38. Row 1, top-p 0.7: token 2 is outside the nucleus {0, 1} → the floor, not −inf.
+    lp = policy_token_logprobs(logits, targets, [0.5, 1.0], [1.0, 0.7])
+    assert lp[0, 0].item() == pytest.approx(math.log(0.09 / 0.38), abs=1e-6)
+    assert lp[1, 0].item() == LOGPROB_FLOOR
+    # Through the loss: a finite, tiny ratio and a finite gradient (no NaN from −inf).
+    out = ppo_clipped_loss(lp, torch.log(torch.tensor([[0.3], [0.2]])), torch.tensor([1.0, -1.0]), torch.ones((2, 1)))
+    out.loss.backward()
+    assert math.isfinite(out.loss.item()) and math.isfinite(out.approx_kl)
+    assert torch.isfinite(logits.grad).all() and logits.grad[1].abs().sum() == 0.0
+    with pytest.raises(ValueError, match="greedy"):
+        policy_token_logprobs(logits, targets, [0.0, 1.0], [1.0, 1.0])

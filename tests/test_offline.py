@@ -324,3 +324,14 @@ def test_train_offline_publishes_the_version(kafka, tiny_model, tmp_path):
     assert [(r["version"], r["status"], r["kind"]) for r in mine] == [(1, "PROMOTED", "FULL")]
     assert mine[0]["metrics"]["offline"] == 1.0 and mine[0]["metrics"]["group_size"] == 6.0
     assert mine[0]["uri"] == summary["versions"][0]["uri"]
+
+
+def test_samples_carry_the_sampler_they_were_drawn_with():
+    """The update weighs each sample under the temperature/top-p it was drawn at; greedy is refused up front."""
+    batch = training_items(PROMPTS, GROUPS, "rloo", temperature=0.5, top_p=0.9)
+    assert batch.samples and all((s.temperature, s.top_p) == (0.5, 0.9) for s in batch.samples)
+    assert {(s.temperature, s.top_p) for s in training_items(PROMPTS, GROUPS, "grpo").samples} == {(1.0, 1.0)}
+    with pytest.raises(ValueError, match="temperature"):
+        OfflineConfig(temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        OfflineConfig(top_p=0.0)

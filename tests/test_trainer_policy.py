@@ -156,3 +156,124 @@ def test_status_fold_and_promoted_version():
     event = version_event(m, "PROMOTED")
     assert event.key == "/m@v1"  # one compacted record per version keeps every version's latest status
     assert json.loads(m.to_json())["source_offsets"] == {"0": 5}
+
+
+# -- the ratio under the sampler's distribution ----------------------------------------
+
+
+def _every_token_as_a_sample(trainer, tok, prompt_ids, temperature, top_p=1.0, *, record_temperature=None):
+    """Each vocabulary token as a one-token completion, its advantage V·π_T,p(a): the PPO loss over them is
+    then exactly the expectation under the sampler of a constant advantage (1), with no sampling noise."""
+    from trainer.losses import sampling_log_probs
+
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([prompt_ids])).logits[0, -1]
+    drawn = sampling_log_probs(logits, temperature, top_p)  # the distribution the tokens are drawn from
+    recorded_t = temperature if record_temperature is None else record_temperature
+    recorded = sampling_log_probs(logits, recorded_t, top_p if record_temperature is None else 1.0)
+    vocab = logits.shape[-1]
+    return [Sample(list(prompt_ids), [a], [float(recorded[a])], vocab * float(drawn[a].exp()),
+                   temperature=recorded_t, top_p=top_p if record_temperature is None else 1.0)
+            for a in range(vocab) if torch.isfinite(drawn[a])]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_constant_advantage_gives_no_gradient_at_the_sampled_temperature(tiny_model, top_p):
+    """At version 0 a constant advantage must not move the policy: E_π[∇ log π] = 0 — but only when the
+    log-probability in the ratio is that of the distribution sampled (T = 0.5 here).
+
+    The old trainer recomputed log π at T = 1 (and serving recorded T = 1 logprobs, so the ratio was 1):
+    the same expectation then has a gradient, which sharpens or flattens the served distribution.
+    """
+    model, tok = load_model(tiny_model)
+    trainer = PolicyTrainer(model, tok, UpdateConfig(lr=1e-9, warmup_updates=0, micro_batch=4096), full=True)
+    prompt = tok.encode("def area(r):\n    return", add_special_tokens=False)
+    samples = _every_token_as_a_sample(trainer, tok, prompt, 0.5, top_p)
+    metrics = trainer.update(samples)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["grad_norm"] < 1e-5, metrics["grad_norm"]  # measured 3.5e-7 (float32 round-off)
+    # The old way — drawn at T = 0.5, weighed at T = 1 — is biased: a clear gradient from the same expectation
+    # (measured 0.08 at top-p 1, 0.20 at top-p 0.9).
+    biased = trainer.update(_every_token_as_a_sample(trainer, tok, prompt, 0.5, top_p, record_temperature=1.0))
+    assert biased["grad_norm"] > 0.01, biased["grad_norm"]
+
+
+def test_sample_completions_records_the_distribution_it_draws_from(tiny_model):
+    """The behaviour logprob of a drawn token is log π_T,p (what a Sample at T, p is trained against), not T = 1."""
+    from trainer.losses import sampling_log_probs
+
+    model, tok = load_model(tiny_model)
+    prompts = [tok.encode("def f(x):\n    return", add_special_tokens=False), tok.encode("import os\n", add_special_tokens=False)]
+    drawn = sample_completions(model, prompts, max_new_tokens=3, temperature=0.5, top_p=0.9,
+                               generator=torch.Generator().manual_seed(0))
+    for prompt, (ids, lps) in zip(prompts, drawn):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0]
+        want = [float(sampling_log_probs(logits[len(prompt) - 1 + j], 0.5, 0.9)[t]) for j, t in enumerate(ids)]
+        assert lps == pytest.approx(want, abs=1e-4)
+    with pytest.raises(ValueError, match="greedy"):
+        sample_completions(model, prompts, max_new_tokens=1, temperature=0.0)
+
+
+def test_a_greedy_completion_is_not_a_sample_and_served_prompt_ids_are_kept(tiny_model):
+    with pytest.raises(ValueError, match="greedy"):
+        Sample([1], [2], [0.0], 1.0, temperature=1e-4)
+    _, tok = load_model(tiny_model)
+    # The served ids are trained as they are, even where re-encoding the text would give other ids.
+    served = [5, 6, 7] + tok.encode("é", add_special_tokens=False)[:1]  # a trim that split a UTF-8 character
+    s = make_sample(tok, tok.decode(served), [9], [-1.0], 0.5, prompt_ids=served, temperature=0.7, top_p=0.95)
+    assert s.prompt_ids == served and (s.temperature, s.top_p) == (0.7, 0.95)
+    assert tok.encode(tok.decode(served), add_special_tokens=False) != served
+    # Old episodes have none: the text is encoded, its end kept.
+    old = make_sample(tok, "x = 1\ny = 2\n", [9], None, 0.0, max_prompt_tokens=3)
+    assert old.prompt_ids == tok.encode("x = 1\ny = 2\n", add_special_tokens=False)[-3:]
+
+
+class _IgnoresLogitsToKeep(torch.nn.Module):
+    """A causal LM that returns logits for every position whatever logits_to_keep says (as some models do)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, logits_to_keep=None, **kwargs):
+        return self.inner(**kwargs)
+
+
+def test_a_model_that_ignores_logits_to_keep_is_read_at_the_right_positions(tiny_model):
+    model, tok = load_model(tiny_model)
+    samples = [make_sample(tok, "def add(a, b):\n    return", [10, 20, 30], None, 0.0),
+               make_sample(tok, "x = 1\n", [7], None, 0.0)]
+    want = PolicyTrainer(model, tok, UpdateConfig(), full=True).sequence_logprobs(samples)
+    got = PolicyTrainer(_IgnoresLogitsToKeep(model), tok, UpdateConfig(), full=True).sequence_logprobs(samples)
+    for w, g in zip(want, got):
+        assert g == pytest.approx(w, abs=1e-5)
+    from trainer.policy import kept_logits
+
+    with pytest.raises(RuntimeError, match="logits_to_keep"):
+        kept_logits(torch.zeros((1, 5, 3)), 3, 9)
+
+
+def test_the_kl_reference_stays_the_base_when_a_full_fine_tune_resumes(tiny_model, tmp_path):
+    """Resuming from a saved FULL version must not make the saved weights the reference (kl_ref 0 after it)."""
+    from tests.conftest import make_settings
+    from trainer.online import load_policy
+
+    settings = make_settings(tmp_path / "state", model=tiny_model, trainer_full_finetune=True, trainer_kl_coef=0.1,
+                             trainer_lr=1e-2, trainer_warmup_updates=0, trainer_device="cpu")
+    store = WeightStore(settings.effective_weight_store, tiny_model)
+    first = load_policy(settings, store, None)
+    tok = first.tokenizer
+    samples = [make_sample(tok, "def f():\n    return", [11, 12], None, 0.5),
+               make_sample(tok, "def g():\n    return", [13, 14], None, -0.5)]
+    for _ in range(3):
+        first.update(samples)
+    files = tmp_path / "v1"
+    first.save(files)
+    manifest = store.save(1, files, _fields(kind="FULL"))
+    resumed = load_policy(settings, store, manifest)
+    assert resumed.full
+    # Both measure the KL at the same (saved) weights, before their step.
+    before, after = first.update(samples)["kl_ref"], resumed.update(samples)["kl_ref"]
+    assert before > 1e-3
+    assert after == pytest.approx(before, rel=1e-3)

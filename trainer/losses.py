@@ -154,6 +154,45 @@ def sampling_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -
     return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
 
 
+# The floor of a sampled token's log-probability under the current policy. A token outside the current
+# top-p nucleus has π = 0 exactly (log −inf): its ratio is then 0, but −inf poisons the arithmetic around it
+# (0 · inf = NaN in a masked mean, e^{+inf} in the k3 estimate). Clamped here, its ratio is e^{−50 − log μ}
+# (about 1e-22 or less: "this policy would no longer draw it") and finite, and the clamp passes no gradient —
+# right, since which tokens are in the nucleus is not differentiable. −50 is far below any token a sampler
+# draws (a logprob of −50 is a chance of 2e-22) and far above float32's underflow (about −87).
+LOGPROB_FLOOR = -50.0
+
+
+def policy_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: Sequence[float],
+                          top_ps: Sequence[float]) -> torch.Tensor:
+    """log π_T,p(target) per position, each row under its own sampler: (B, T, V), (B, T), B temps/top-ps → (B, T).
+
+    The log-probability the importance ratio needs: that of the distribution the served token was drawn
+    from (``sampling_log_probs`` at the row's temperature and top-p), floored at ``LOGPROB_FLOOR``. A greedy
+    row is an error: a point mass has no ratio to weigh (callers drop greedy episodes before they get here).
+    """
+    if not (len(temperatures) == len(top_ps) == logits.shape[0] == targets.shape[0]):
+        raise ValueError(f"{logits.shape[0]} rows of logits, {targets.shape[0]} of targets, "
+                         f"{len(temperatures)} temperatures and {len(top_ps)} top-ps")
+    rows: list[torch.Tensor | None] = [None] * len(temperatures)
+    # Rows drawn with the same sampler share one pass over the vocabulary.
+    by_sampler: dict[tuple[float, float], list[int]] = {}
+    for row, key in enumerate(zip(temperatures, top_ps)):
+        by_sampler.setdefault((float(key[0]), float(key[1])), []).append(row)
+    for (temperature, top_p), idx in by_sampler.items():
+        if temperature <= GREEDY_TEMPERATURE:
+            raise ValueError(f"temperature {temperature} is greedy: a point mass carries no importance weight; "
+                             f"greedy episodes are dropped before training")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sel = torch.tensor(idx, device=logits.device)
+        logp = sampling_log_probs(logits.index_select(0, sel), temperature, top_p)
+        picked = logp.gather(-1, targets.index_select(0, sel).unsqueeze(-1)).squeeze(-1).clamp(min=LOGPROB_FLOOR)
+        for j, row in enumerate(idx):
+            rows[row] = picked[j]
+    return torch.stack(rows)  # type: ignore[arg-type]
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` over the positions where ``mask`` is 1 (0 when the mask is empty)."""
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
@@ -182,11 +221,18 @@ class PolicyLoss:
     approx_kl: float
     """KL(behaviour ‖ current) estimated from the same tokens (k3 estimator)."""
     ratio_mean: float
+    dual_clip_fraction: float = 0.0
+    """Share of completion tokens with A < 0 whose loss the dual clip capped at −c·A (stale episodes)."""
+
+
+DUAL_CLIP_RATIO = 3.0
+"""Default ``clip_ratio_c``: verl's default, and TRL's cap on the vLLM importance weight."""
 
 
 def ppo_clipped_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
-                     mask: torch.Tensor, *, clip_eps: float = 0.2) -> PolicyLoss:
-    """PPO's clipped surrogate against the behaviour policy that generated the tokens.
+                     mask: torch.Tensor, *, clip_eps: float = 0.2,
+                     clip_ratio_c: float = DUAL_CLIP_RATIO) -> PolicyLoss:
+    """PPO's clipped surrogate against the behaviour policy that generated the tokens, with dual clip.
 
     ratio_t = exp(log π(a_t) − log μ(a_t)), with μ the logprobs the serving
     replica recorded when it sampled the completion (an off-policy correction:
@@ -194,20 +240,36 @@ def ppo_clipped_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, a
     Per token: −min(ratio·A, clip(ratio, 1−ε, 1+ε)·A), with the sequence's
     advantage A on each of its tokens; averaged over completion tokens.
 
+    Dual clip (Ye et al. 2020, verl's ``clip_ratio_c``): for A < 0 PPO's min
+    keeps the *unclipped* term when the ratio is large, so one stale episode
+    whose token the current policy now likes 20× more adds a loss of 20·|A|
+    and a gradient to match. The per-token loss for A < 0 is capped at
+    −c·A (c > 1): past ratio c it is constant, with no gradient.
+    ``clip_ratio_c=math.inf`` turns the cap off.
+
     ``logprobs``/``behaviour_logprobs``/``mask``: (B, T); ``advantages``: (B,).
     """
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be greater than 1, got {clip_ratio_c}")
     log_ratio = logprobs - behaviour_logprobs
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None].to(ratio.dtype)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    loss = masked_mean(-torch.minimum(unclipped, clipped), mask)
+    ppo = -torch.minimum(unclipped, clipped)
+    negative = adv < 0
+    capped = torch.minimum(ppo, -clip_ratio_c * adv)
+    per_token = torch.where(negative, capped, ppo)
+    loss = masked_mean(per_token, mask)
     with torch.no_grad():
         was_clipped = (clipped < unclipped).float()  # min() picked the clipped term: no gradient there
         clip_fraction = float(masked_mean(was_clipped, mask))
-        approx_kl = float(masked_mean(kl_k3(behaviour_logprobs, logprobs), mask))
+        dual_clip_fraction = float(masked_mean((negative & (ppo > -clip_ratio_c * adv)).float(), mask))
+        # k3 with p = current, q = behaviour: the tokens were drawn from the behaviour policy, so this
+        # estimates KL(behaviour ‖ current).
+        approx_kl = float(masked_mean(kl_k3(logprobs, behaviour_logprobs), mask))
         ratio_mean = float(masked_mean(ratio, mask))
-    return PolicyLoss(loss, clip_fraction, approx_kl, ratio_mean)
+    return PolicyLoss(loss, clip_fraction, approx_kl, ratio_mean, dual_clip_fraction)
 
 
 def kl_k3(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:

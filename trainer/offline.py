@@ -3,8 +3,11 @@
 One update, in order:
 
 1. the next ``prompts_per_update`` tasks of the dataset (a seeded shuffle, pass after pass);
-2. ``K`` completions of each task's FIM prompt sampled from the current policy,
-   with the logprob of every sampled token (the behaviour logprobs). A
+2. ``K`` completions of each task's FIM prompt sampled from the current policy
+   at the configured temperature and top-p, with the logprob of every sampled
+   token under that sampler's distribution (the behaviour logprobs); the update
+   recomputes the current policy's logprobs under the same sampler, so the
+   ratio is exactly 1 before the step. A
    completion ends where the editor would end it — a stop string, a newline in
    single-line mode, the end-of-text token — and only those tokens are trained
    on: the reward says nothing about tokens nobody saw;
@@ -80,7 +83,7 @@ class TrainingBatch:
 
 
 def training_items(prompts: Sequence[Sequence[int]], groups: Sequence[Sequence[GroupSample]],
-                   algo: str) -> TrainingBatch:
+                   algo: str, *, temperature: float = 1.0, top_p: float = 1.0) -> TrainingBatch:
     """Turn each prompt's group of samples into training items with group-relative advantages.
 
     ``groups[i]`` are the samples of ``prompts[i]``. Unscored samples drop out
@@ -88,6 +91,8 @@ def training_items(prompts: Sequence[Sequence[int]], groups: Sequence[Sequence[G
     has no group-relative signal and drops out too (GRPO would give it zeros,
     RLOO cannot take a group of one). Advantages are computed over the
     remaining samples of all groups at once, each group against itself.
+    ``temperature``/``top_p``: the sampler the groups were drawn with, which
+    the update's ratio is taken under.
     """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {', '.join(ALGOS)}, got {algo!r}")
@@ -107,7 +112,7 @@ def training_items(prompts: Sequence[Sequence[int]], groups: Sequence[Sequence[G
     ids = [g for g, _ in kept]
     kept_rewards = [s.reward for _, s in kept]
     advantages = grpo_advantages(kept_rewards, ids) if algo == "grpo" else rloo_advantages(kept_rewards, ids)
-    samples = [Sample(list(prompts[g]), list(s.completion_ids), list(s.behaviour_logprobs), a)
+    samples = [Sample(list(prompts[g]), list(s.completion_ids), list(s.behaviour_logprobs), a, temperature, top_p)
                for (g, s), a in zip(kept, advantages)]
     return TrainingBatch(samples, rewards, len(groups), len(groups) - without_signal, without_signal, unscored)
 
@@ -153,7 +158,7 @@ class Sampled:
 
 
 def sample_groups(model, tokenizer, prompts: Sequence[list[int]], tasks: Sequence[FimTask], group_size: int, *,
-                  max_new_tokens: int, temperature: float, generator, pad_id: int,
+                  max_new_tokens: int, temperature: float, generator, pad_id: int, top_p: float = 1.0,
                   rows_per_batch: int = 32) -> list[list[Sampled]]:
     """K completions per prompt from ``model``, each cut where the editor would cut it."""
     from trainer.evaluate import cut_completion
@@ -164,7 +169,7 @@ def sample_groups(model, tokenizer, prompts: Sequence[list[int]], tasks: Sequenc
     for start in range(0, len(rows), rows_per_batch):
         chunk = [p for _, p in rows[start:start + rows_per_batch]]
         drawn.extend(sample_completions(model, chunk, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        generator=generator, eos_id=tokenizer.eos_token_id, pad_id=pad_id))
+                                        top_p=top_p, generator=generator, eos_id=tokenizer.eos_token_id, pad_id=pad_id))
     groups: list[list[Sampled]] = [[] for _ in prompts]
     for (i, _), (ids, logprobs) in zip(rows, drawn):
         task = tasks[i]
@@ -219,7 +224,11 @@ class OfflineConfig:
     prompts_per_update: int = 4
     max_new_tokens: int = 48
     temperature: float = 1.0
-    """1.0 samples from the policy the behaviour logprobs describe; other values sample off it (PPO's ratio corrects)."""
+    """The sampler's temperature. The behaviour logprobs are recorded, and the ratio recomputed, under this
+    same tempered (and top-p) distribution, so any value above greedy is trained consistently; greedy
+    (≤ GREEDY_TEMPERATURE) samples nothing to weigh and is refused."""
+    top_p: float = 1.0
+    """The sampler's top-p nucleus (1.0: the whole vocabulary)."""
     max_prompt_tokens: int = 2048
     rows_per_batch: int = 32
 
@@ -231,6 +240,13 @@ class OfflineConfig:
                              f"got {self.group_size}")
         if self.prompts_per_update < 1:
             raise ValueError(f"--prompts-per-update must be at least 1, got {self.prompts_per_update}")
+        from trainer.losses import GREEDY_TEMPERATURE
+
+        if self.temperature <= GREEDY_TEMPERATURE:
+            raise ValueError(f"--temperature must be above {GREEDY_TEMPERATURE} (greedy completions carry no "
+                             f"importance weight to train with), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def offline_update(policy: PolicyTrainer, tasks: Sequence[FimTask], config: OfflineConfig, score: Scorer,
@@ -241,14 +257,15 @@ def offline_update(policy: PolicyTrainer, tasks: Sequence[FimTask], config: Offl
     prompts = [prompt_ids(tok, t, config.max_prompt_tokens) for t in tasks]
     groups = sample_groups(policy.model, tok, prompts, tasks, config.group_size,
                            max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                           generator=generator, pad_id=policy.pad_id, rows_per_batch=config.rows_per_batch)
+                           top_p=config.top_p, generator=generator, pad_id=policy.pad_id,
+                           rows_per_batch=config.rows_per_batch)
     expanded = [t for t, g in zip(tasks, groups) for _ in g]
     rewards = score(expanded, [s.shown for g in groups for s in g])
     if len(rewards) != len(expanded):
         raise RuntimeError(f"the scorer returned {len(rewards)} rewards for {len(expanded)} completions")
     it = iter(rewards)
     scored_groups = [[GroupSample(s.completion_ids, s.behaviour_logprobs, next(it)) for s in g] for g in groups]
-    batch = training_items(prompts, scored_groups, config.algo)
+    batch = training_items(prompts, scored_groups, config.algo, temperature=config.temperature, top_p=config.top_p)
     sampled_s = time.perf_counter() - started
     metrics = policy.update(batch.samples) if batch.samples else None
     shown = [s.shown for g in groups for s in g]
@@ -333,35 +350,17 @@ def load_current_policy(settings, store, *, lr: float | None = None, full: bool 
     """
     import dataclasses
 
-    from trainer.models import load_model, resolve_model_spec
-    from trainer.online import update_config
-    from trainer.policy import describe_device
+    from trainer.online import load_policy, update_config
 
-    device = describe_device(settings.trainer_device)
     latest = store.latest()
     if latest is not None and full is not None and full != (latest.kind == "FULL"):
         # The newest version fixes the kind: its weights are a LoRA adapter or a whole model, not both.
         raise OfflineError(f"version {latest.version} in the weight store is {latest.kind}: training continues "
                            f"from it as {latest.kind}; drop {'--full' if full else '--lora'}")
-    want_full = settings.trainer_full_finetune if full is None else full
-    cache = Path(settings.trainer_dir) / "cache"
-    adapter_dir = None
-    if latest is not None and latest.kind == "FULL":
-        model, tokenizer = load_model(str(store.materialize(latest.version, cache)), device=device, dtype="float32")
-        want_full = True
-    else:
-        # As the online trainer: full fine-tuning in fp32; LoRA over a bf16 base on a GPU.
-        dtype = "float32" if (want_full or not device.startswith("cuda")) else "bfloat16"
-        model, tokenizer = load_model(resolve_model_spec(settings), device=device, dtype=dtype)
-        if latest is not None:
-            adapter_dir = store.materialize(latest.version, cache)
-            want_full = False
     config = update_config(settings)
     if lr is not None:
         config = dataclasses.replace(config, lr=lr)
-    policy = PolicyTrainer(model, tokenizer, config, device=device, full=want_full,
-                           lora_rank=settings.trainer_lora_rank, adapter_dir=adapter_dir, seed=settings.trainer_seed)
-    return policy, latest
+    return load_policy(settings, store, latest, config=config, full=full), latest
 
 
 def _evaluate(policy: PolicyTrainer, tasks, scorer: str, run: OfflineRun, log) -> dict:
@@ -536,7 +535,7 @@ def _save_version(store, policy: PolicyTrainer, parent, run: OfflineRun, figures
     training = {"mode": "offline", "algo": run.config.algo, "group_size": run.config.group_size,
                 "scorer": run.scorer, "dataset": run.dataset, "tasks": n_tasks,
                 "prompts_per_update": run.config.prompts_per_update, "max_new_tokens": run.config.max_new_tokens,
-                "temperature": run.config.temperature, "seed": run.seed, "lr": policy.config.lr}
+                "temperature": run.config.temperature, "top_p": run.config.top_p, "seed": run.seed, "lr": policy.config.lr}
     if run.eval_dataset:
         training["eval_dataset"] = run.eval_dataset
     training.update(_user_fields(run))

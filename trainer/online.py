@@ -20,6 +20,7 @@ would take half the partitions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -33,7 +34,7 @@ from infra.bus import EventProducer, decode_message, make_codec
 from infra.settings import Settings
 from schemas.topics import EPISODES, WEIGHTS
 from trainer.canary import BASELINE_VERSION, CANARY_SHARE, CanaryTally
-from trainer.losses import BaselineState, baseline_advantages
+from trainer.losses import GREEDY_TEMPERATURE, BaselineState, baseline_advantages
 from trainer.policy import PolicyTrainer, Sample, UpdateConfig, describe_device, make_sample
 from trainer.weight_store import (Manifest, WeightStore, base_version_event, fold_statuses, promoted_version,
                                   read_weight_records, version_event)
@@ -68,19 +69,62 @@ class Progress:
 
 def update_config(settings: Settings) -> UpdateConfig:
     return UpdateConfig(lr=settings.trainer_lr, warmup_updates=settings.trainer_warmup_updates,
-                        clip_eps=settings.trainer_clip_eps, kl_coef=settings.trainer_kl_coef,
+                        clip_eps=settings.trainer_clip_eps, clip_ratio_c=settings.trainer_clip_ratio_c,
+                        kl_coef=settings.trainer_kl_coef,
                         entropy_coef=settings.trainer_entropy_coef, max_grad_norm=settings.trainer_max_grad_norm,
                         micro_batch=settings.trainer_micro_batch, epochs=settings.trainer_epochs)
 
 
+def episode_sampler(episode: dict) -> tuple[float, float]:
+    """(temperature, top_p) the episode's tokens were sampled with; (1.0, 1.0) for episodes written before
+    Episode carried them (the engines then sampled at the request's temperature, most often 1.0)."""
+    temperature = episode.get("temperature")
+    top_p = episode.get("top_p")
+    return (1.0 if temperature is None else float(temperature), 1.0 if top_p is None else float(top_p))
+
+
 def drop_reason(episode: dict, current_version: int, max_staleness: int) -> str | None:
-    """Why an episode is consumed without training on it, or None to train on it."""
+    """Why an episode is consumed without training on it, or None to train on it.
+
+    "greedy": served at a temperature at or below GREEDY_TEMPERATURE, the argmax — a point mass, with no
+    importance ratio to weigh it by (its probability under any other policy is 0 or 1). Counted in the
+    manifest's dropped episodes, so a deployment serving greedily shows up as a trainer that trains on nothing.
+    """
     if not episode["completion_token_ids"] and not episode.get("completion_text"):
         return "empty"
+    if episode["completion_token_ids"] and episode_sampler(episode)[0] <= GREEDY_TEMPERATURE:
+        return "greedy"
     behaviour = episode["policy_version"]
     if behaviour is not None and current_version - behaviour > max_staleness:
         return "stale"
     return None
+
+
+def episode_sample(episode: dict, tokenizer, *, max_prompt_tokens: int) -> Sample | None:
+    """The training sample (advantage 0 until the batch's baseline) of an episode ``drop_reason`` let
+    through; None when there is no token to train on. ValueError: an episode that can't be a sample.
+
+    What was served is trained as it was served:
+    - the completion is the event's ``completion_token_ids``, the tokens the user saw plus the one that ended
+      them (decided at serving time), never re-derived from the text;
+    - the prompt is the event's ``prompt_token_ids``, the ids the replica fed the model after its trim;
+      only episodes written before they were recorded (``[]``) re-encode the prompt text;
+    - the ratio is taken under the episode's temperature and top-p, the distribution the tokens were drawn
+      from and the behaviour logprobs describe.
+    """
+    token_ids = list(episode["completion_token_ids"])
+    behaviour = (list(episode["behaviour_logprobs"]) if len(episode["behaviour_logprobs"]) == len(token_ids)
+                 else None)
+    temperature, top_p = episode_sampler(episode)
+    if not token_ids:  # off-policy feedback we never served: the text the IDE showed, no behaviour logprobs
+        token_ids = tokenizer.encode(episode["completion_text"], add_special_tokens=False)
+        behaviour = None
+        temperature, top_p = 1.0, 1.0  # no sampler of ours drew it: trained on-policy (ratio 1)
+    if not token_ids:
+        return None
+    return make_sample(tokenizer, episode["prompt"] or " ", token_ids, behaviour, 0.0,
+                       max_prompt_tokens=max_prompt_tokens, prompt_ids=episode.get("prompt_token_ids") or None,
+                       temperature=temperature, top_p=top_p)
 
 
 class OnlineTrainer:
@@ -131,23 +175,7 @@ class OnlineTrainer:
 
     def _load_policy(self, manifest: Manifest | None) -> PolicyTrainer:
         """A trainer starting from ``manifest``'s weights (None: the base model with fresh adapters)."""
-        from trainer.models import load_model
-
-        full = self.settings.trainer_full_finetune
-        dtype = "float32" if (full or not self.device.startswith("cuda")) else "bfloat16"
-        adapter_dir = None
-        if manifest is not None and manifest.kind == "FULL":
-            local = self.store.materialize(manifest.version, self.log_dir / "cache")
-            model, tokenizer = load_model(str(local), device=self.device, dtype="float32")
-            full = True
-        else:
-            model, tokenizer = load_model(self.base_model, device=self.device, dtype=dtype)
-            if manifest is not None:
-                adapter_dir = self.store.materialize(manifest.version, self.log_dir / "cache")
-                full = False
-        return PolicyTrainer(model, tokenizer, update_config(self.settings), device=self.device, full=full,
-                             lora_rank=self.settings.trainer_lora_rank, adapter_dir=adapter_dir,
-                             seed=self.settings.trainer_seed)
+        return load_policy(self.settings, self.store, manifest)
 
     def _follow_rollbacks(self) -> None:
         """If the version this trainer builds on was rolled back, go on from the promoted one instead.
@@ -284,20 +312,14 @@ class OnlineTrainer:
         if reason is not None:
             p.dropped[reason] = p.dropped.get(reason, 0) + 1
             return
-        token_ids = list(ep["completion_token_ids"])
-        behaviour = list(ep["behaviour_logprobs"]) if len(ep["behaviour_logprobs"]) == len(token_ids) else None
-        if not token_ids:  # off-policy feedback we never served: the text the IDE showed, no behaviour logprobs
-            token_ids = self.policy.tokenizer.encode(ep["completion_text"], add_special_tokens=False)
-            behaviour = None
-        if not token_ids:
-            p.dropped["empty"] = p.dropped.get("empty", 0) + 1
-            return
         try:
-            sample = make_sample(self.policy.tokenizer, ep["prompt"] or " ", token_ids, behaviour, 0.0,
-                                 max_prompt_tokens=self.settings.max_prompt_tokens)
+            sample = episode_sample(ep, self.policy.tokenizer, max_prompt_tokens=self.settings.max_prompt_tokens)
         except ValueError as exc:
             p.dropped["invalid"] = p.dropped.get("invalid", 0) + 1
             log.warning("episode %s not trainable: %s", ep["completion_id"], exc)
+            return
+        if sample is None:
+            p.dropped["empty"] = p.dropped.get("empty", 0) + 1
             return
         q = self.pending
         q.samples.append(sample)
@@ -312,8 +334,7 @@ class OnlineTrainer:
         q, self.pending = self.pending, Pending()
         advantages, self.baseline = baseline_advantages(q.rewards, q.projects, self.baseline,
                                                         decay=self.settings.trainer_baseline_decay)
-        samples = [Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, a)
-                   for s, a in zip(q.samples, advantages)]
+        samples = [dataclasses.replace(s, advantage=a) for s, a in zip(q.samples, advantages)]
         log.info("update %d started: %d episodes", self.trainer_step + 1, len(samples))
         metrics = self.policy.update(samples)
         self.trainer_step += 1
@@ -437,6 +458,39 @@ class OnlineTrainer:
             self.writer.add_scalar("canary/promoted", 1.0 if decision == "PROMOTED" else 0.0, tally.candidate)
 
 
+def load_policy(settings: Settings, store: WeightStore, manifest: Manifest | None, *,
+                config: UpdateConfig | None = None, full: bool | None = None) -> PolicyTrainer:
+    """A trainer starting from ``manifest``'s weights: a LoRA adapter over the base, or full weights; None: the
+    base model (LoRA adapters, or every weight when ``full`` / ``trainer_full_finetune``).
+
+    The KL reference is the base model whatever the trainer resumes from: a full fine-tune resumed from
+    saved full weights loads the base a second time for it (a copy of the resumed weights would make the
+    KL measure the distance from the last save, 0 after every restart).
+    """
+    from trainer.models import load_model
+
+    device = describe_device(settings.trainer_device)
+    config = config or update_config(settings)
+    full = settings.trainer_full_finetune if full is None else full
+    # Full fine-tuning in fp32; LoRA over a bf16 base on a GPU.
+    dtype = "float32" if (full or not device.startswith("cuda")) else "bfloat16"
+    cache = Path(settings.trainer_dir) / "cache"
+    adapter_dir = None
+    reference = None
+    if manifest is not None and manifest.kind == "FULL":
+        model, tokenizer = load_model(str(store.materialize(manifest.version, cache)), device=device, dtype="float32")
+        full = True
+        if config.kl_coef > 0:
+            reference, _ = load_model(store.base_model, device=device, dtype="float32")
+    else:
+        model, tokenizer = load_model(store.base_model, device=device, dtype=dtype)
+        if manifest is not None:
+            adapter_dir = store.materialize(manifest.version, cache)
+            full = False
+    return PolicyTrainer(model, tokenizer, config, device=device, full=full, lora_rank=settings.trainer_lora_rank,
+                         adapter_dir=adapter_dir, seed=settings.trainer_seed, reference_model=reference)
+
+
 def _baseline_from(manifest: Manifest) -> BaselineState:
     """The per-project reward means a manifest saved, so a restart does not start the baseline over."""
     means = {k.split("/", 1)[1]: v for k, v in manifest.metrics.items() if k.startswith("baseline_mean/")}
@@ -444,4 +498,4 @@ def _baseline_from(manifest: Manifest) -> BaselineState:
     return BaselineState(means, counts)
 
 
-__all__ = ["OnlineTrainer", "drop_reason", "update_config", "base_version_event"]
+__all__ = ["OnlineTrainer", "drop_reason", "episode_sample", "episode_sampler", "load_policy", "update_config", "base_version_event"]

@@ -8,8 +8,20 @@ the logprobs recorded when the sample was generated, accumulated over
 micro-batches, gradients clipped, one optimizer step.
 
 A ``Sample`` is (prompt token ids, completion token ids, behaviour logprobs or
-None, advantage): the online trainer fills the advantage from a per-project
-baseline, offline validation from GRPO or RLOO over k samples of a prompt.
+None, advantage, and the temperature and top-p the completion was sampled
+with): the online trainer fills the advantage from a per-project baseline,
+offline validation from GRPO or RLOO over k samples of a prompt.
+
+The importance ratio compares like with like: the behaviour logprob is the
+log-probability of the served token under the distribution the sampler drew it
+from (softmax(z/T) cut to the top-p nucleus, ``losses.sampling_log_probs``),
+and the update recomputes the current policy's log-probability with the same
+transform at the sample's temperature and top-p. At version 0 the ratio is
+then exactly 1 and a constant advantage has zero expected gradient. Greedy
+completions (T ≤ ``GREEDY_TEMPERATURE``) are not samples of any distribution
+one could weigh: they are not ``Sample``s at all (the online trainer drops and
+counts them). The KL to the reference and the entropy are of the model's own
+next-token distribution (T = 1): they regularise the model, not the sampler.
 """
 
 from __future__ import annotations
@@ -23,7 +35,8 @@ from typing import Sequence
 
 import torch
 
-from trainer.losses import entropy_from_logits, kl_k3, masked_mean, ppo_clipped_loss, token_logprobs
+from trainer.losses import (DUAL_CLIP_RATIO, GREEDY_TEMPERATURE, entropy_from_logits, kl_k3, masked_mean,
+                            policy_token_logprobs, ppo_clipped_loss, sampling_log_probs, token_logprobs)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -35,8 +48,17 @@ class Sample:
     behaviour_logprobs: list[float] | None
     """One per completion token, from the policy that generated it; None = the current policy (on-policy)."""
     advantage: float
+    temperature: float = 1.0
+    """The sampler's temperature when the completion was drawn: the ratio is taken under the same one."""
+    top_p: float = 1.0
+    """The sampler's top-p nucleus when the completion was drawn."""
 
     def __post_init__(self) -> None:
+        if self.temperature <= GREEDY_TEMPERATURE:
+            raise ValueError(f"temperature {self.temperature} is greedy: a greedy completion is not a sample of a "
+                             f"distribution, so it has no importance ratio to train with")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not self.prompt_ids:
             raise ValueError("a sample needs at least one prompt token (the first completion token's context)")
         if not self.completion_ids:
@@ -47,11 +69,22 @@ class Sample:
 
 
 def make_sample(tokenizer, prompt: str, completion_ids: Sequence[int], behaviour_logprobs: Sequence[float] | None,
-                advantage: float, *, max_prompt_tokens: int = 2048) -> Sample:
-    """A Sample from prompt text as the model saw it; long prompts keep their end (nearest the completion)."""
-    ids = tokenizer.encode(prompt, add_special_tokens=False)[-max_prompt_tokens:]
+                advantage: float, *, max_prompt_tokens: int = 2048, prompt_ids: Sequence[int] | None = None,
+                temperature: float = 1.0, top_p: float = 1.0) -> Sample:
+    """A Sample of the prompt the model was fed.
+
+    ``prompt_ids``, when given (the ids the serving replica fed the model, after its trim), are used as
+    they are: decoding and re-encoding them is not the identity (a trim can split a UTF-8 character, BPE
+    merges differ across the cut). Only without them — old episodes — is ``prompt`` encoded, keeping the
+    end of a long prompt (nearest the completion).
+    """
+    if prompt_ids:
+        ids = list(prompt_ids)
+    else:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)[-max_prompt_tokens:]
     return Sample(list(ids), list(completion_ids),
-                  list(behaviour_logprobs) if behaviour_logprobs is not None else None, float(advantage))
+                  list(behaviour_logprobs) if behaviour_logprobs is not None else None, float(advantage),
+                  float(temperature), float(top_p))
 
 
 @dataclass(frozen=True)
@@ -60,6 +93,8 @@ class UpdateConfig:
     warmup_updates: int = 10
     """Linear warm-up of the learning rate; constant afterwards (an online trainer has no last step)."""
     clip_eps: float = 0.2
+    clip_ratio_c: float = DUAL_CLIP_RATIO
+    """Dual clip: a token with A < 0 adds at most −c·A to the loss however stale its episode (``ppo_clipped_loss``)."""
     kl_coef: float = 0.0
     """Weight of KL(current ‖ reference) in the loss; 0 = off (no reference forward pass)."""
     entropy_coef: float = 0.0
@@ -80,8 +115,13 @@ def describe_device(device: str) -> str:
 class PolicyTrainer:
     def __init__(self, model, tokenizer, config: UpdateConfig, *, device: str = "cpu", full: bool = False,
                  lora_rank: int = 16, lora_alpha: int | None = None, adapter_dir: str | Path | None = None,
-                 seed: int | None = None):
-        """``model`` is a loaded base (or full-weights) model; ``adapter_dir`` resumes a saved LoRA adapter."""
+                 seed: int | None = None, reference_model=None):
+        """``model`` is a loaded base (or full-weights) model; ``adapter_dir`` resumes a saved LoRA adapter.
+
+        The KL reference is always the base model. With LoRA it is the model under the adapter. Full
+        fine-tuning keeps a frozen copy: ``reference_model`` when given — the base, which a trainer resuming
+        from saved full weights must load and pass — else a copy of ``model``, which is then the base.
+        """
         self.config = config
         self.tokenizer = tokenizer
         self.device = describe_device(device)
@@ -95,7 +135,8 @@ class PolicyTrainer:
             if config.kl_coef > 0:
                 import copy
 
-                self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+                reference = reference_model if reference_model is not None else copy.deepcopy(model)
+                self.reference = reference.to(self.device).eval().requires_grad_(False)
         else:
             from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -160,7 +201,8 @@ class PolicyTrainer:
         ids, attn, positions = ids.to(self.device), attn.to(self.device), positions.to(self.device)
         out = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=longest_c + 1,
                     use_cache=False)
-        logits = out.logits[:, :-1, :]  # position t predicts token t+1: the last one predicts nothing we have
+        logits = kept_logits(out.logits, longest_c + 1, longest)
+        logits = logits[:, :-1, :]  # position t predicts token t+1: the last one predicts nothing we have
         return logits, targets.to(self.device), mask.to(self.device)
 
     def update(self, samples: Sequence[Sample]) -> dict[str, float]:
@@ -172,7 +214,7 @@ class PolicyTrainer:
         total_tokens = sum(len(s.completion_ids) for s in samples)
         micro = [samples[i:i + cfg.micro_batch] for i in range(0, len(samples), cfg.micro_batch)]
         sums = {"policy_loss": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "kl_ref": 0.0,
-                "ratio_mean": 0.0}
+                "ratio_mean": 0.0, "dual_clip_fraction": 0.0}
         grad_norm = 0.0
         frozen_behaviour: dict[int, torch.Tensor] = {}
         for epoch in range(cfg.epochs):
@@ -181,11 +223,14 @@ class PolicyTrainer:
                 share = sum(len(s.completion_ids) for s in chunk) / total_tokens
                 with self._autocast():
                     logits, targets, mask = self._forward(self.model, chunk)
-                logprobs = token_logprobs(logits, targets)
+                # The ratio's log-probabilities: each row under the sampler that drew it (see the module doc).
+                logprobs = policy_token_logprobs(logits, targets, [s.temperature for s in chunk],
+                                                 [s.top_p for s in chunk])
                 if index not in frozen_behaviour:
                     frozen_behaviour[index] = self._behaviour_tensor(chunk, logprobs.detach(), mask)
                 advantages = torch.tensor([s.advantage for s in chunk], device=logprobs.device)
-                pl = ppo_clipped_loss(logprobs, frozen_behaviour[index], advantages, mask, clip_eps=cfg.clip_eps)
+                pl = ppo_clipped_loss(logprobs, frozen_behaviour[index], advantages, mask, clip_eps=cfg.clip_eps,
+                                      clip_ratio_c=cfg.clip_ratio_c)
                 loss = pl.loss
                 need_entropy = cfg.entropy_coef > 0
                 with contextlib.nullcontext() if need_entropy else torch.no_grad():
@@ -197,7 +242,7 @@ class PolicyTrainer:
                     with torch.no_grad(), self._reference_context() as ref, self._autocast():
                         ref_logits, _, _ = self._forward(ref, chunk)
                         ref_logprobs = token_logprobs(ref_logits, targets)
-                    kl_ref = masked_mean(kl_k3(ref_logprobs, logprobs), mask)
+                    kl_ref = masked_mean(kl_k3(ref_logprobs, token_logprobs(logits, targets)), mask)
                     loss = loss + cfg.kl_coef * kl_ref
                 (loss * share).backward()
                 if epoch == cfg.epochs - 1:
@@ -207,6 +252,7 @@ class PolicyTrainer:
                     sums["entropy"] += entropy.item() * share
                     sums["kl_ref"] += kl_ref.item() * share
                     sums["ratio_mean"] += pl.ratio_mean * share
+                    sums["dual_clip_fraction"] += pl.dual_clip_fraction * share
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
             if math.isfinite(grad_norm):
@@ -234,12 +280,12 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def sequence_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Current per-token logprobs of each sample's completion (for checks and offline evaluation)."""
+        """Current per-token logprobs of each sample's completion, under its sampler (what the ratio uses)."""
         self.model.eval()
         try:
             with self._autocast():
                 logits, targets, mask = self._forward(self.model, samples)
-            lp = token_logprobs(logits, targets)
+            lp = policy_token_logprobs(logits, targets, [s.temperature for s in samples], [s.top_p for s in samples])
             return [lp[row, mask.shape[1] - len(s.completion_ids):].tolist() for row, s in enumerate(samples)]
         finally:
             self.model.train()
@@ -260,15 +306,36 @@ class PolicyTrainer:
         return out_dir
 
 
+def kept_logits(logits: torch.Tensor, keep: int, sequence_length: int) -> torch.Tensor:
+    """The last ``keep`` positions of a forward pass asked for ``logits_to_keep=keep``.
+
+    A model that ignores ``logits_to_keep`` returns logits for the whole sequence; reading its first
+    columns as if they were the last would silently train on prompt positions. The full length is sliced;
+    any other length is an error.
+    """
+    got = logits.shape[1]
+    if got == keep:
+        return logits
+    if got == sequence_length:
+        return logits[:, -keep:, :]
+    raise RuntimeError(f"the model returned logits for {got} positions; asked for the last {keep} of "
+                       f"{sequence_length}: it neither honours nor ignores logits_to_keep")
+
+
 @torch.no_grad()
 def sample_completions(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                       generator: torch.Generator | None = None, eos_id: int | None = None,
+                       top_p: float = 1.0, generator: torch.Generator | None = None, eos_id: int | None = None,
                        pad_id: int = 0) -> list[tuple[list[int], list[float]]]:
-    """Sample a completion per prompt: (token ids, their logprobs under the model at temperature 1).
+    """Sample a completion per prompt: (token ids, their logprobs under the distribution sampled).
 
-    The logprobs are what serving records as behaviour logprobs; offline runs
-    and tests generate their own episodes with this.
+    Draws from ``sampling_log_probs`` at ``temperature`` and ``top_p`` and records
+    that distribution's logprob of each drawn token: the behaviour logprobs a
+    ``Sample`` with the same temperature and top-p is trained against (what
+    serving records too). Offline runs and tests generate their own episodes
+    with this. Greedy is refused: its completions could not be trained on.
     """
+    if temperature <= GREEDY_TEMPERATURE:
+        raise ValueError(f"temperature {temperature} is greedy: sample at a temperature above {GREEDY_TEMPERATURE}")
     was_training = model.training
     model.eval()
     try:
@@ -285,9 +352,8 @@ def sample_completions(model, prompts: Sequence[Sequence[int]], *, max_new_token
         for _ in range(max_new_tokens):
             positions = (attn.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=1).logits[:, -1]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            probs = torch.softmax(logits.float() / max(temperature, 1e-4), dim=-1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1)
+            logp = sampling_log_probs(logits, temperature, top_p)
+            nxt = torch.multinomial(logp.exp().cpu(), 1, generator=generator).squeeze(-1)
             for row in range(len(prompts)):
                 if done[row]:
                     continue
