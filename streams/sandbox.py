@@ -10,8 +10,8 @@ child gets, where the OS allows each of them:
   removed afterwards, and a minimal environment (nothing inherited);
 * resource limits: address space (memory), file size, processes, CPU time,
   no core files;
-* an unprivileged uid/gid (``nobody`` when we are root: root ignores
-  RLIMIT_NPROC, so without this a fork bomb is not contained);
+* an unprivileged uid/gid of its own (from a pool, when we are root: root
+  ignores RLIMIT_NPROC, so without this a fork bomb is not contained);
 * a network namespace: no interface but a loopback that is down, so no
   connection to anything, not even 127.0.0.1;
 * a PID namespace: when the program ends, the kernel kills whatever it left
@@ -19,11 +19,12 @@ child gets, where the OS allows each of them:
 * a mount namespace: the shared world-writable directories (/tmp, /var/tmp,
   /dev/shm…) become empty and read-only, its own directory becomes a small
   tmpfs (so it can't fill the disk), and directories the interpreter needs but
-  ``nobody`` may not enter (a pyenv under /root) are grafted in read-only;
+  its uid may not enter (a pyenv under /root) are grafted in read-only;
 * an IPC namespace (System V and POSIX message queues of its own).
 
 Which of these work is found once per interpreter by running a trivial
-program with the strongest set and weakening it until one runs; every
+program with the strongest set and weakening it until one runs (a weaker set
+is refused unless allowed, see below); every
 ``SandboxResult`` lists the ones it got (``isolation``), and
 ``network_isolation_available()`` says whether the network is cut off.
 Without root only a user namespace can give the other namespaces, and there
@@ -40,18 +41,55 @@ left running, not even a grandchild of a ``fork()`` that left the process
 group, and finally ``killpg`` the group for good measure. No ``preexec_fn``:
 it is not safe in a process with threads, and the scorer has them.
 
-Passing means exiting 0 *after reaching the end of the program*: the last
-line we append writes a random token to a pipe, so a completion that calls
-``sys.exit(0)`` or ``os._exit(0)`` before the tests run fails
-(``must_reach_end=False`` for test code that ends in ``unittest.main()``).
+How a program passes: it exits 0 *and* the sandbox's harness says its end was
+reached. The harness (``_HARNESS``, run with ``python -c``) compiles the program
+and the tests as two units (so no completion can swallow the tests into a string
+literal), reads a per-run nonce from a pipe and closes it, seals the process
+(``PR_SET_DUMPABLE`` 0: /proc/self/mem and /proc/self/environ become root's,
+closed to it), installs an audit hook, runs the program, restores the builtins
+it may have patched, runs the tests, and then raises an audit event from its own
+frame. Only that event, raised from that very frame, makes the hook write the
+nonce to the result pipe; the supervisor wants exactly the nonce there. The nonce
+is in no file, argument, environment variable or inherited fd the program can
+read, and never in a frame it can walk to: it lives only in the hook's closure,
+which the hook keeps out of reach by refusing, for the rest of the run,
+``gc.get_objects``/``get_referrers``/``get_referents``, ``sys._current_frames``,
+``sys.settrace``/``setprofile`` (a trace function could jump over the tests),
+``sys.addaudithook`` and anything ``ctypes``. So printing or writing a token,
+``sys.exit(0)``/``os._exit(0)``/``exit()`` before or during the tests, an
+``atexit`` handler, reading the program's own file, /proc/self or its fds, and
+patching builtins the tests use all fail. ``must_reach_end=False`` (test code
+that ends in ``unittest.main()``, which exits on purpose) gives this up: exit
+status 0 passes.
 
-Runs that share a uid share its process limit (RLIMIT_NPROC counts every
-process of that uid), and can signal each other: run them one at a time per
-uid, or give each worker its own ``uid``.
+What in-process checks cannot give: the program's functions run inside the
+tests, with the tests' frames above them. A completion can still defeat the
+*meaning* of the tests: return objects equal to everything, shadow a name the
+tests use (module globals are the program's), patch a module the tests call
+(``math.isclose``), or read the expected values from the caller's frame
+(``sys._getframe`` stays allowed: ``typing``, ``logging`` and ``enum`` need it).
+And Python code the program arranges to run *inside the hook* while it writes
+the verdict (a signal handler, a finalizer during a collection) or a memory-
+safety bug in CPython could reach the nonce. Those are not preventable while the
+tests and the candidate share an interpreter.
+
+Runs must not share a uid (RLIMIT_NPROC counts every process of a uid, and a
+uid can signal its own processes): as root each run takes a uid of its own from
+a pool (``UID_POOL_BASE`` + a slot held with ``flock`` in a root-only directory,
+so concurrent scorers in other processes get other uids too), with a group of
+the same number. Unprivileged, the user namespace's processes count against the
+caller's own uid; a fork bomb is then limited but shares that limit.
+
+No isolation, no run: when the strongest set of mechanisms for our privileges
+is not available, ``run_tests`` raises ``SandboxUnavailable`` rather than run
+untrusted code with less, unless ``TABLOOP_SANDBOX=unsafe`` says to (logged as
+a warning).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -72,9 +110,24 @@ from dataclasses import dataclass
 log = logging.getLogger("tabloop.sandbox")
 
 OUTCOMES = ("passed", "failed", "timeout", "memory", "killed", "error")
-NOBODY = 65534   # the uid and gid (nogroup) a root scorer runs programs as
 PROGRAM_NAME = "program.py"
+TESTS_NAME = "tests.py"
 SETUP_FAILED = 125  # the bootstrap's exit status when the sandbox could not be made
+
+# As root, each run gets a uid (and a gid of the same number) of its own from this pool. Far above
+# the ranges distributions give users (1000+) and containers' subordinate ids (100000+), so no
+# file or process on the machine belongs to it; the kernel must map it (it does outside a user
+# namespace; inside one, the plan's probe fails and says so).
+UID_POOL_BASE = 2_000_000_000
+UID_POOL_SIZE = 4096
+_UID_LOCK_DIR = "tabloop-sandbox-uids"  # under the temp dir: one lock file per slot, held while a run lasts
+
+# The mechanisms a run must get, by our privileges; anything less needs TABLOOP_SANDBOX=unsafe.
+REQUIRED_AS_ROOT = frozenset({"uid", "mnt", "pid", "net", "ipc", "rlimits"})
+REQUIRED_UNPRIVILEGED = frozenset({"user", "pid", "net", "ipc", "rlimits"})
+SANDBOX_VAR = "TABLOOP_SANDBOX"
+SANDBOX_MODES = ("isolated", "unsafe")
+_NONCE_BYTES = 16
 
 # World-writable directories all processes share: inside the mount namespace each is
 # replaced by an empty read-only tmpfs, so a program can neither leave files there nor
@@ -102,6 +155,10 @@ PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
 _LINUX = sys.platform.startswith("linux")
 
 
+class SandboxUnavailable(RuntimeError):
+    """The OS won't give the isolation untrusted code needs here, and nobody said to run it anyway."""
+
+
 @dataclass(frozen=True)
 class SandboxResult:
     """How one program fared.
@@ -124,6 +181,7 @@ class SandboxResult:
     stdout: str
     stderr: str
     isolation: tuple[str, ...] = ()
+    uid: int | None = None  # the uid it ran as, when we dropped to one
 
     @property
     def network_isolated(self) -> bool:
@@ -132,52 +190,140 @@ class SandboxResult:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a run asks the OS for: the namespaces, and the uid/gid to drop to (None: stay)."""
+    """What a run asks the OS for: the namespaces, and whether to drop to a uid of its own (as root)."""
 
     namespaces: tuple[str, ...]
-    uid: int | None
-    gid: int | None
+    drop: bool
 
     @property
     def isolation(self) -> tuple[str, ...]:
-        return (("uid",) if self.uid is not None else ()) + self.namespaces + ("rlimits",)
+        return (("uid",) if self.drop else ()) + self.namespaces + ("rlimits",)
 
 
-_plans: dict[tuple[str, int, int], _Plan] = {}
+_plans: dict[str, _Plan] = {}
 _plans_lock = threading.Lock()
+_unsafe_warned: set[str] = set()
 
 
-def run_tests(program: str, *, timeout_s: float = 10.0, memory_bytes: int = 512 * 2**20,
-              max_file_bytes: int = 16 * 2**20, max_processes: int = 64, python: str = sys.executable,
-              max_output_bytes: int = 64 * 2**10, must_reach_end: bool = True,
-              uid: int = NOBODY, gid: int = NOBODY) -> SandboxResult:
-    """Run ``program`` (Python source with its tests) in the sandbox; see the module docstring.
+def run_tests(program: str, *, tests: str | None = None, timeout_s: float = 10.0,
+              memory_bytes: int = 512 * 2**20, max_file_bytes: int = 16 * 2**20, max_processes: int = 64,
+              python: str = sys.executable, max_output_bytes: int = 64 * 2**10, must_reach_end: bool = True,
+              uid: int | None = None, gid: int | None = None) -> SandboxResult:
+    """Run ``program`` and then ``tests`` (Python source) in the sandbox; see the module docstring.
 
-    ``memory_bytes`` caps the address space, ``max_file_bytes`` any one file it
-    writes and, with a mount namespace, all its files together;
-    ``max_processes`` the processes (and threads) of ``uid``; the CPU limit is
-    a second above ``timeout_s``. ``uid``/``gid`` are used only when we are root.
+    ``tests`` is compiled apart from the program and run after it in its
+    namespace, with the builtins as they were before the program; ``None``:
+    ``program`` holds its own tests. ``memory_bytes`` caps the address space,
+    ``max_file_bytes`` any one file it writes and, with a mount namespace, all
+    its files together; ``max_processes`` the processes (and threads) of its
+    uid; the CPU limit is a second above ``timeout_s``. As root the run gets a
+    uid of its own from the pool unless ``uid`` (and ``gid``, default the same)
+    names one; unprivileged they are ignored. Raises ``SandboxUnavailable`` if
+    the isolation is short of the full set and ``TABLOOP_SANDBOX`` is not ``unsafe``.
     """
     if not isinstance(program, str):
         raise TypeError(f"program must be Python source as str, got {type(program).__name__}")
+    if tests is not None and not isinstance(tests, str):
+        raise TypeError(f"tests must be Python source as str, got {type(tests).__name__}")
     for name, value in (("timeout_s", timeout_s), ("memory_bytes", memory_bytes),
                         ("max_file_bytes", max_file_bytes), ("max_processes", max_processes),
                         ("max_output_bytes", max_output_bytes)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")
+    mode = sandbox_mode()
     exe = _resolve_python(python)
     if exe is None:
         return SandboxResult(False, "error", None, 0.0, "", f"[sandbox] no Python interpreter at {python!r}")
-    plan = _plan_for(exe, uid, gid)
-    return _execute(program, plan, exe, timeout_s=timeout_s, memory_bytes=memory_bytes,
-                    max_file_bytes=max_file_bytes, max_processes=max_processes,
-                    max_output_bytes=max_output_bytes, must_reach_end=must_reach_end)
+    plan = _plan_for(exe)
+    missing = required_isolation() - set(plan.isolation)
+    if missing:
+        if mode != "unsafe":
+            raise SandboxUnavailable(
+                f"the sandbox can only get {', '.join(plan.isolation)} here (no {', '.join(sorted(missing))}): "
+                f"refusing to run untrusted code with less isolation; set {SANDBOX_VAR}=unsafe to run it anyway")
+        if exe not in _unsafe_warned:
+            _unsafe_warned.add(exe)
+            log.warning("sandbox: %s=unsafe: running untrusted programs with only %s (no %s)", SANDBOX_VAR,
+                        ", ".join(plan.isolation), ", ".join(sorted(missing)))
+    limits = dict(timeout_s=timeout_s, memory_bytes=memory_bytes, max_file_bytes=max_file_bytes,
+                  max_processes=max_processes, max_output_bytes=max_output_bytes, must_reach_end=must_reach_end)
+    if not plan.drop:
+        return _execute(program, tests, plan, exe, None, None, **limits)
+    if uid is not None:
+        return _execute(program, tests, plan, exe, uid, uid if gid is None else gid, **limits)
+    with pooled_uid() as own:
+        return _execute(program, tests, plan, exe, own, own if gid is None else gid, **limits)
+
+
+def sandbox_mode() -> str:
+    """``TABLOOP_SANDBOX``: "isolated" (the default) or "unsafe" (run with whatever isolation there is).
+
+    Read here rather than from ``infra.settings``: ``run_tests`` is called where
+    there is no Settings object (``tabloop eval``, the simulator) and the rule
+    must be the same everywhere. Settings declares the variable (``sandbox``) so
+    that ``load_settings`` knows it and checks its value too.
+    """
+    mode = os.environ.get(SANDBOX_VAR, "") or "isolated"
+    if mode not in SANDBOX_MODES:
+        raise ValueError(f"{SANDBOX_VAR}={mode!r}: must be one of {', '.join(SANDBOX_MODES)}")
+    return mode
+
+
+def required_isolation() -> frozenset[str]:
+    """The mechanisms a run must get without ``TABLOOP_SANDBOX=unsafe``, by our privileges."""
+    return REQUIRED_AS_ROOT if os.geteuid() == 0 else REQUIRED_UNPRIVILEGED
+
+
+def isolation_available(python: str = sys.executable) -> tuple[str, ...]:
+    """The mechanisms programs run by ``python`` get here (probed once); compare with ``required_isolation``."""
+    exe = _resolve_python(python)
+    return _plan_for(exe).isolation if exe is not None else ()
 
 
 def network_isolation_available(python: str = sys.executable) -> bool:
     """Whether programs run by ``python`` get no network (a namespace of their own). Probed once."""
-    exe = _resolve_python(python)
-    return exe is not None and "net" in _plan_for(exe, NOBODY, NOBODY).namespaces
+    return "net" in isolation_available(python)
+
+
+@contextlib.contextmanager
+def pooled_uid():
+    """A uid no other run holds, in this process or another, for as long as the ``with`` lasts.
+
+    Each slot of the pool is a lock file in a directory only we (root) may
+    enter; ``flock`` is released by the kernel when the holder exits, however
+    it exits, so a crashed scorer leaves no slot taken.
+    """
+    directory = _uid_lock_dir()
+    start = secrets.randbelow(UID_POOL_SIZE)  # concurrent runs rarely probe the same slots
+    for i in range(UID_POOL_SIZE):
+        slot = (start + i) % UID_POOL_SIZE
+        fd = os.open(os.path.join(directory, str(slot)), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield UID_POOL_BASE + slot
+        finally:
+            os.close(fd)
+        return
+    raise SandboxUnavailable(f"all {UID_POOL_SIZE} sandbox uids are in use")
+
+
+def _uid_lock_dir() -> str:
+    directory = os.path.join(tempfile.gettempdir(), _UID_LOCK_DIR)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(directory)
+    # In a shared /tmp someone else could have made it first (a symlink, or theirs): then it isn't ours.
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise SandboxUnavailable(f"{directory} must be a directory of uid {os.geteuid()} with mode 0700 "
+                                 f"(it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)}): remove it")
+    return directory
 
 
 # -- choosing what the OS allows ---------------------------------------------------------------
@@ -187,28 +333,33 @@ def _resolve_python(python: str) -> str | None:
     return os.path.abspath(found) if found and os.path.isfile(found) else None
 
 
-def _candidate_plans(uid: int, gid: int) -> list[_Plan]:
+def _candidate_plans() -> list[_Plan]:
     """From the strongest to nothing at all; the first that runs a trivial program is used."""
     if not _LINUX:
-        return [_Plan((), uid, gid), _Plan((), None, None)] if os.geteuid() == 0 else [_Plan((), None, None)]
+        return [_Plan((), True), _Plan((), False)] if os.geteuid() == 0 else [_Plan((), False)]
     if os.geteuid() == 0:
-        return [_Plan(("mnt", "pid", "net", "ipc"), uid, gid), _Plan(("mnt", "net"), uid, gid),
-                _Plan(("net",), uid, gid), _Plan((), uid, gid), _Plan((), None, None)]
+        return [_Plan(("mnt", "pid", "net", "ipc"), True), _Plan(("mnt", "net"), True),
+                _Plan(("net",), True), _Plan((), True), _Plan((), False)]
     # Unprivileged: a user namespace (if the kernel lets us) gives the others; no uid to drop to.
-    return [_Plan(("user", "pid", "net", "ipc"), None, None), _Plan(("user", "net"), None, None),
-            _Plan((), None, None)]
+    return [_Plan(("user", "pid", "net", "ipc"), False), _Plan(("user", "net"), False), _Plan((), False)]
 
 
-def _plan_for(python: str, uid: int, gid: int) -> _Plan:
-    key = (python, uid, gid)
+def _probe(plan: _Plan, python: str) -> SandboxResult:
+    limits = dict(timeout_s=20.0, memory_bytes=512 * 2**20, max_file_bytes=2**20, max_processes=64,
+                  max_output_bytes=4096, must_reach_end=True)
+    if not plan.drop:
+        return _execute("pass\n", None, plan, python, None, None, **limits)
+    with pooled_uid() as uid:
+        return _execute("pass\n", None, plan, python, uid, uid, **limits)
+
+
+def _plan_for(python: str) -> _Plan:
     with _plans_lock:
-        if key in _plans:
-            return _plans[key]
-        candidates = _candidate_plans(uid, gid)
+        if python in _plans:
+            return _plans[python]
+        candidates = _candidate_plans()
         for plan in candidates:
-            probe = _execute("pass\n", plan, python, timeout_s=20.0, memory_bytes=512 * 2**20,
-                             max_file_bytes=2**20, max_processes=64, max_output_bytes=4096,
-                             must_reach_end=True)
+            probe = _probe(plan, python)
             if probe.passed:
                 break
             log.debug("sandbox: %s unavailable: %s", plan.isolation, probe.stderr.strip()[-500:])
@@ -216,7 +367,7 @@ def _plan_for(python: str, uid: int, gid: int) -> _Plan:
             # Nothing runs even a trivial program: the interpreter is broken, not the isolation.
             # Don't remember it; runs will report the error.
             return candidates[0]
-        _plans[key] = plan
+        _plans[python] = plan
     if plan is not candidates[0]:
         log.warning("sandbox: running programs with only %s (no %s)", ", ".join(plan.isolation),
                     ", ".join(sorted(set(candidates[0].isolation) - set(plan.isolation))))
@@ -303,49 +454,60 @@ def _minimal_env(workdir: str) -> dict[str, str]:
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1"}
 
 
-def _execute(program: str, plan: _Plan, python: str, *, timeout_s: float, memory_bytes: int,
-             max_file_bytes: int, max_processes: int, max_output_bytes: int,
+def _execute(program: str, tests: str | None, plan: _Plan, python: str, uid: int | None, gid: int | None, *,
+             timeout_s: float, memory_bytes: int, max_file_bytes: int, max_processes: int, max_output_bytes: int,
              must_reach_end: bool) -> SandboxResult:
-    """Run ``program`` under ``plan``: write it to a fresh directory, start the bootstrap, supervise."""
-    token = secrets.token_hex(16)
+    """Run ``program`` then ``tests`` under ``plan`` (as ``uid``:``gid`` if it drops): write them to a
+    fresh directory, start the bootstrap, supervise."""
+    nonce = secrets.token_hex(_NONCE_BYTES).encode()
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="tabloop-sandbox-"))
     control_r, control_w = os.pipe()
-    token_r, token_w = os.pipe()
-    fds = [control_r, control_w, token_r, token_w]
+    nonce_r, nonce_w = os.pipe()
+    result_r, result_w = os.pipe()
+    fds = [control_r, control_w, nonce_r, nonce_w, result_r, result_w]
     try:
-        program_path = os.path.join(workdir, PROGRAM_NAME)
-        epilogue = f"\n\n__import__('os').write({token_w}, b'{token}')\n"
-        with open(program_path, "w", encoding="utf-8") as f:
-            f.write(program + epilogue)
-        os.chmod(program_path, 0o644)
+        # The nonce waits in a pipe whose only reader is the harness, which takes it before the program
+        # runs; it is never in a file, an argument or the environment.
+        os.write(nonce_w, nonce)
+        os.close(nonce_w)
+        fds.remove(nonce_w)
+        files = []
+        for name, source in ((PROGRAM_NAME, program), (TESTS_NAME, tests or "")):
+            path = os.path.join(workdir, name)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(source)
+            os.chmod(path, 0o644)
+            files.append(name)
         hides: list[str] = []
         keeps: list[str] = []
-        if plan.uid is not None:
+        if plan.drop:
             if "mnt" in plan.namespaces:
-                hides, keeps = _filesystem_layout(python, workdir, plan.uid, plan.gid)
+                hides, keeps = _filesystem_layout(python, workdir, uid, gid)
             else:  # no tmpfs of its own: it works in the real directory, which must be its own
-                os.chown(workdir, plan.uid, plan.gid)
+                os.chown(workdir, uid, gid)
         cpu_s = math.ceil(timeout_s) + 1
+        argv = [python, "-s", "-B", "-c", _HARNESS, os.path.join(workdir, PROGRAM_NAME),
+                os.path.join(workdir, TESTS_NAME), str(nonce_r), str(result_w)]
         config = {
-            "python": python, "argv": [python, "-s", "-B", PROGRAM_NAME], "workdir": workdir,
-            "program": PROGRAM_NAME, "namespaces": list(plan.namespaces), "uid": plan.uid, "gid": plan.gid,
+            "python": python, "argv": argv, "workdir": workdir, "files": files,
+            "namespaces": list(plan.namespaces), "uid": uid if plan.drop else None, "gid": gid if plan.drop else None,
             "hides": hides, "keeps": keeps, "scratch_bytes": max_file_bytes,
             "limits": {"as": memory_bytes, "fsize": max_file_bytes, "nproc": max_processes, "cpu": cpu_s},
-            "control_fd": control_w, "token_fd": token_w, "parent_pid": os.getpid(),
+            "control_fd": control_w, "program_fds": [nonce_r, result_w], "parent_pid": os.getpid(),
         }
         bootstrap = [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), json.dumps(config)]
         start = time.monotonic()
         try:
             proc = subprocess.Popen(bootstrap, cwd=workdir, env=_minimal_env(workdir), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(control_w, token_w),
-                                    start_new_session=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    pass_fds=(control_w, nonce_r, result_w), start_new_session=True)
         except (OSError, subprocess.SubprocessError) as e:
             return SandboxResult(False, "error", None, 0.0, "", f"[sandbox] could not start: {e}",
-                                 plan.isolation)
-        for fd in (control_w, token_w):
+                                 plan.isolation, config["uid"])
+        for fd in (control_w, nonce_r, result_w):
             os.close(fd)
             fds.remove(fd)
-        return _supervise(proc, control_r, token_r, token, plan, start=start, timeout_s=timeout_s,
+        return _supervise(proc, control_r, result_r, nonce, plan, config["uid"], start=start, timeout_s=timeout_s,
                           max_output_bytes=max_output_bytes, must_reach_end=must_reach_end)
     finally:
         for fd in fds:
@@ -353,11 +515,11 @@ def _execute(program: str, plan: _Plan, python: str, *, timeout_s: float, memory
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(proc: subprocess.Popen, control_r: int, token_r: int, token: str, plan: _Plan, *,
-               start: float, timeout_s: float, max_output_bytes: int, must_reach_end: bool) -> SandboxResult:
+def _supervise(proc: subprocess.Popen, control_r: int, result_r: int, nonce: bytes, plan: _Plan, uid: int | None,
+               *, start: float, timeout_s: float, max_output_bytes: int, must_reach_end: bool) -> SandboxResult:
     """Collect the output until the program ends or its time is up, then leave nothing running."""
     out, err = _CappedBuffer(max_output_bytes), _CappedBuffer(max_output_bytes)
-    control, token_seen = _CappedBuffer(4096), _CappedBuffer(4096)
+    control, verdict = _CappedBuffer(4096), _CappedBuffer(4096)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, control_r: control}
     deadline = start + timeout_s
     timed_out = False
@@ -372,8 +534,8 @@ def _supervise(proc: subprocess.Popen, control_r: int, token_r: int, token: str,
             _pump(sel, sinks, remaining)
         duration = time.monotonic() - start
         _kill_tree(proc)
-        sinks[token_r] = token_seen
-        sel.register(token_r, selectors.EVENT_READ)
+        sinks[result_r] = verdict
+        sel.register(result_r, selectors.EVENT_READ)
         drain_until = time.monotonic() + _DRAIN_S
         while sinks and time.monotonic() < drain_until:  # every writer is dead: this is quick
             _pump(sel, sinks, drain_until - time.monotonic())
@@ -392,11 +554,13 @@ def _supervise(proc: subprocess.Popen, control_r: int, token_r: int, token: str,
         outcome = "timeout"
         notes.append(f"[sandbox] killed after {timeout_s:g}s")
     elif exit_code == 0:
-        if not must_reach_end or token in token_seen.text():
+        # Exactly the nonce: anything else written to the result pipe (guesses, junk) is a failure too.
+        if not must_reach_end or (verdict.total == len(nonce) and bytes(verdict.head) == nonce):
             outcome = "passed"
         else:
             outcome = "failed"
-            notes.append("[sandbox] the program exited 0 before reaching its end (sys.exit? os._exit?)")
+            notes.append("[sandbox] the program exited 0 but the harness did not see the tests run to their end "
+                         "(sys.exit? os._exit? tampering?)")
     elif exit_code < 0:
         outcome = "timeout" if -exit_code == signal.SIGXCPU else "killed"
         notes.append(f"[sandbox] killed by signal {_signal_name(-exit_code)}")
@@ -406,7 +570,7 @@ def _supervise(proc: subprocess.Popen, control_r: int, token_r: int, token: str,
     if notes:
         stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes) + "\n"
     return SandboxResult(outcome == "passed", outcome, exit_code, round(duration, 3), out.text(), stderr,
-                         plan.isolation)
+                         plan.isolation, uid)
 
 
 def _pump(sel: selectors.BaseSelector, sinks: dict[int, _CappedBuffer], timeout: float) -> None:
@@ -486,6 +650,93 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         log.error("sandbox: bootstrap %d did not exit; left behind", proc.pid)
 
 
+# -- the harness: what the program's interpreter runs (python -c), before and after the program -----
+
+# Trusted code that runs first in the program's own interpreter. It may rely on nothing the program
+# can change later: every builtin and function it calls after the program starts is bound before,
+# and the hook touches no object the program made (an argument's __eq__ would run the program's code
+# inside the hook, where the nonce is). Keep it small; the module docstring says what it guarantees.
+_HARNESS = r"""
+def _tabloop_sandbox_hook(nonce_fd, result_fd, end_frame, end_event):
+    import os, sys
+    nonce = b""
+    while True:
+        chunk = os.read(nonce_fd, 256)
+        if not chunk:
+            break
+        nonce += chunk
+    os.close(nonce_fd)
+    write, close, getframe = os.write, os.close, sys._getframe
+    type_, str_, error = type, str, RuntimeError
+    refused = frozenset(("sys.addaudithook", "sys._current_frames", "sys.settrace", "sys.setprofile",
+                         "gc.get_objects", "gc.get_referrers", "gc.get_referents"))
+    done = []
+
+    def hook(event, args):
+        if type_(event) is not str_:
+            raise error("[sandbox] an audit event that is not a str")
+        if event == end_event:
+            # Only the harness's own frame, past the tests, may say the end was reached.
+            if not done and getframe(1) is end_frame:
+                done.append(True)
+                write(result_fd, nonce)
+                close(result_fd)
+            return
+        if event in refused or event.startswith("ctypes."):
+            raise error(f"[sandbox] {event} is not allowed in a sandboxed program")
+        if event == "import":
+            name = args[0]
+            if type_(name) is not str_ or name == "ctypes" or name.startswith("ctypes.") or name == "_ctypes":
+                raise error("[sandbox] importing ctypes is not allowed in a sandboxed program")
+    return hook
+
+
+def _tabloop_sandbox_seal():
+    # Not dumpable: /proc/self/mem, /proc/self/environ… become root's, closed to the program (it
+    # could otherwise read the nonce out of its own memory). ctypes goes once used.
+    import sys
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "[sandbox] prctl(PR_SET_DUMPABLE, 0) failed")
+    for name in [n for n in sys.modules if n in ("ctypes", "_ctypes") or n.startswith("ctypes.")]:
+        del sys.modules[name]
+
+
+def _tabloop_sandbox_harness():
+    import builtins, sys, types
+    program_path, tests_path, nonce_fd, result_fd = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    # Both read and compiled before any of the program runs, each on its own: the program can't
+    # change the tests, nor swallow them (an unclosed string), nor patch open() or compile().
+    with open(program_path, "rb") as f:
+        program = compile(f.read(), program_path, "exec", dont_inherit=True)
+    with open(tests_path, "rb") as f:
+        tests = compile(f.read(), tests_path, "exec", dont_inherit=True)
+    run, audit = exec, sys.audit
+    builtins_ns = builtins.__dict__
+    original_builtins = dict(builtins_ns)
+    clear_builtins, update_builtins = builtins_ns.clear, builtins_ns.update
+    _tabloop_sandbox_seal()
+    main = types.ModuleType("__main__")
+    namespace = main.__dict__
+    namespace.update(__file__=program_path, __builtins__=builtins)
+    sys.modules["__main__"] = main
+    sys.argv = [program_path]
+    sys.addaudithook(_tabloop_sandbox_hook(nonce_fd, result_fd, sys._getframe(), "tabloop.sandbox.end"))
+    run(program, namespace)
+    clear_builtins()  # the tests see the builtins as they were, whatever the program patched
+    update_builtins(original_builtins)
+    namespace["__builtins__"] = builtins
+    run(tests, namespace)
+    audit("tabloop.sandbox.end")
+
+
+_tabloop_sandbox_harness()
+"""
+
+
 # -- the bootstrap: this file run as a script, as root if we are ---------------------------------
 
 def _libc():
@@ -530,8 +781,8 @@ def _setup_filesystem(libc, cfg: dict) -> None:
     """In the new mount namespace: hide the shared directories, graft the interpreter, make the scratch."""
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount may show outside
     workdir = cfg["workdir"]
-    program = os.path.join(workdir, cfg["program"])
-    program_fd = os.open(program, os.O_PATH)  # opened before anything covers it
+    file_fds = [(os.path.join(workdir, name), os.open(os.path.join(workdir, name), os.O_PATH))
+                for name in cfg["files"]]  # opened before anything covers them
     keep_fds = [(keep, os.open(keep, os.O_PATH)) for keep in cfg["keeps"]]
     for hide in cfg["hides"]:
         _mount(libc, "tmpfs", hide, "tmpfs", MS_NOSUID | MS_NODEV, _HIDE_OPTIONS)
@@ -541,14 +792,14 @@ def _setup_filesystem(libc, cfg: dict) -> None:
     os.makedirs(workdir, mode=0o755, exist_ok=True)  # under a hidden directory: the way to it, anew
     _mount(libc, "tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,
            f"mode=0700,size={cfg['scratch_bytes']},nr_inodes={_SCRATCH_INODES},uid={cfg['uid']},gid={cfg['gid']}")
-    _graft(libc, program_fd, program)
+    for path, fd in file_fds:  # read-only: what the harness runs is what we wrote
+        _graft(libc, fd, path)
     for hide in cfg["hides"]:
         _mount(libc, None, hide, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     if "pid" in cfg["namespaces"]:  # its /proc shows its own processes only
         _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    for _, fd in keep_fds:
+    for _, fd in keep_fds + file_fds:
         os.close(fd)
-    os.close(program_fd)
 
 
 def _set_limits(limits: dict) -> None:
@@ -568,6 +819,8 @@ def _child(libc, cfg: dict) -> None:
     """Set up and exec the program; never returns."""
     control = cfg["control_fd"]  # close-on-exec: the program never sees it
     try:
+        for fd in cfg["program_fds"]:  # the nonce's pipe and the verdict's, for the harness
+            os.set_inheritable(fd, True)
         os.umask(0o022)
         if "mnt" in cfg["namespaces"]:
             _setup_filesystem(libc, cfg)
@@ -589,7 +842,7 @@ def _child(libc, cfg: dict) -> None:
 
 def _bootstrap(argv: list[str]) -> None:
     cfg = json.loads(argv[0])
-    control, token_fd = cfg["control_fd"], cfg["token_fd"]
+    control = cfg["control_fd"]
     os.set_inheritable(control, False)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     libc = _libc() if _LINUX else None
@@ -610,7 +863,8 @@ def _bootstrap(argv: list[str]) -> None:
         os._exit(SETUP_FAILED)
     if pid == 0:
         _child(libc, cfg)
-    os.close(token_fd)
+    for fd in cfg["program_fds"]:  # the program's alone: no stray reader or writer of the verdict here
+        os.close(fd)
     main_status = None
     while True:  # reap the program and, as subreaper, all it leaves behind
         try:

@@ -1,14 +1,17 @@
 """The scorer's sandbox against programs that misbehave: each must be scored a failure and contained.
 
-These run real subprocesses under whatever isolation this machine allows
-(``SandboxResult.isolation``); a check that needs a mechanism the machine
-lacks is skipped, saying which.
+These run real subprocesses under the isolation the sandbox requires
+(``required_isolation``): on a machine that can't give it, they fail (the
+sandbox refuses to run) rather than skip.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -16,20 +19,25 @@ import uuid
 
 import pytest
 
-from streams.sandbox import NOBODY, OUTCOMES, _execute, _Plan, network_isolation_available, run_tests
-
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox's isolation is Linux's")
+from streams import sandbox
+from streams.sandbox import (OUTCOMES, SANDBOX_VAR, UID_POOL_BASE, UID_POOL_SIZE, SandboxUnavailable, _execute, _Plan,
+                             network_isolation_available, pooled_uid, required_isolation, run_tests)
 
 
 @pytest.fixture(scope="module")
 def isolation() -> tuple[str, ...]:
     result = run_tests("pass\n")
     assert result.passed, result.stderr
+    assert required_isolation() <= set(result.isolation), result.isolation
     return result.isolation
 
 
+def _in_pool(uid: int) -> bool:
+    return UID_POOL_BASE <= uid < UID_POOL_BASE + UID_POOL_SIZE
+
+
 def _sandbox_processes() -> set[int]:
-    """Processes that look like the sandbox's: of its uid (when we are root) or working in one of its dirs."""
+    """Processes that look like the sandbox's: of a pool uid (when we are root) or working in one of its dirs."""
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -40,7 +48,7 @@ def _sandbox_processes() -> set[int]:
             in_sandbox_dir = "tabloop-sandbox-" in os.readlink(f"/proc/{entry}/cwd")
         except (OSError, StopIteration):
             continue
-        if (os.geteuid() == 0 and uid == NOBODY) or in_sandbox_dir:
+        if (os.geteuid() == 0 and _in_pool(uid)) or in_sandbox_dir:
             found.add(int(entry))
     return found
 
@@ -76,7 +84,7 @@ def test_a_syntax_error_fails():
 def test_leaving_before_the_tests_fails(escape):
     result = run_tests(f"{escape}\nassert False, 'the tests'\n")
     assert (result.passed, result.outcome, result.exit_code) == (False, "failed", 0)
-    assert "before reaching its end" in result.stderr
+    assert "did not see the tests run to their end" in result.stderr
     # Test code that ends in unittest.main() exits on purpose: it can say so.
     assert run_tests(f"{escape}\n", must_reach_end=False).passed
 
@@ -92,8 +100,6 @@ def test_an_infinite_loop_times_out():
 
 
 def test_a_fork_bomb_is_contained(isolation):
-    if "uid" not in isolation and "user" not in isolation:
-        pytest.skip(f"processes are not limited as root without a uid to drop to ({isolation})")
     before = _sandbox_processes()
     start = time.monotonic()
     result = run_tests("import os\nwhile True:\n    os.fork()\n", timeout_s=5.0, max_processes=32)
@@ -124,13 +130,13 @@ def test_what_a_program_leaves_running_is_killed(isolation):
 
 def test_orphans_are_killed_without_a_pid_namespace(isolation):
     """The fallback when the kernel won't give a PID namespace: the bootstrap's tree is killed."""
-    if "mnt" not in isolation:
-        pytest.skip(f"needs the mount namespace plan ({isolation})")
+    assert "mnt" in isolation
     before = _sandbox_processes()
-    plan = _Plan(("mnt", "net"), NOBODY, NOBODY)
-    result = _execute("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n", plan,
-                      sys.executable, timeout_s=10.0, memory_bytes=512 * 2**20, max_file_bytes=2**20,
-                      max_processes=64, max_output_bytes=4096, must_reach_end=True)
+    plan = _Plan(("mnt", "net"), drop=os.geteuid() == 0)
+    with pooled_uid() as uid:
+        result = _execute("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n", None,
+                          plan, sys.executable, uid, uid, timeout_s=10.0, memory_bytes=512 * 2**20,
+                          max_file_bytes=2**20, max_processes=64, max_output_bytes=4096, must_reach_end=True)
     assert result.passed and "pid" not in result.isolation, result
     _assert_nothing_left(before)
 
@@ -142,9 +148,7 @@ def test_a_huge_allocation_fails():
 
 
 def test_no_network(isolation):
-    if not network_isolation_available():
-        pytest.skip("no network namespace on this machine")
-    assert "net" in isolation
+    assert network_isolation_available() and "net" in isolation
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         result = run_tests(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)\n")
@@ -158,14 +162,7 @@ def test_no_network(isolation):
 
 @pytest.mark.parametrize("where", ["shared_tmp", "test_tmp_path"])
 def test_a_write_outside_its_directory_fails(where, tmp_path, isolation):
-    if where == "shared_tmp":
-        target = f"/tmp/tabloop-escape-{uuid.uuid4().hex}"
-        if "mnt" not in isolation:
-            pytest.skip(f"/tmp is writable by everyone without a mount namespace ({isolation})")
-    else:
-        target = str(tmp_path / "escape.txt")
-        if "mnt" not in isolation and "uid" not in isolation:
-            pytest.skip(f"the sandbox runs as us ({isolation})")
+    target = f"/tmp/tabloop-escape-{uuid.uuid4().hex}" if where == "shared_tmp" else str(tmp_path / "escape.txt")
     result = run_tests(f"with open({target!r}, 'w') as f:\n    f.write('out')\n")
     assert (result.passed, result.outcome) == (False, "failed"), result
     assert "Error" in result.stderr
@@ -213,10 +210,13 @@ def test_the_environment_is_minimal(monkeypatch):
 
 
 def test_it_runs_unprivileged(isolation):
-    if "uid" not in isolation:
-        pytest.skip(f"no uid to drop to ({isolation})")
-    result = run_tests(f"import os\nassert os.getuid() == os.geteuid() == {NOBODY}\nassert os.getgroups() == []\n")
+    result = run_tests("import os\nprint(os.getuid(), os.geteuid(), os.getgid())\nassert os.getgroups() == []\n")
     assert result.passed, result.stderr
+    uid, euid, gid = map(int, result.stdout.split())
+    if os.geteuid() == 0:  # a uid of its own from the pool, and a group of the same number
+        assert uid == euid == gid == result.uid and _in_pool(uid), result
+    else:  # root of a user namespace, which is us outside it
+        assert "user" in isolation
 
 
 def test_errors_that_are_not_the_programs():
@@ -228,3 +228,257 @@ def test_errors_that_are_not_the_programs():
         run_tests("pass", timeout_s=0)
     with pytest.raises(TypeError):
         run_tests(b"pass")  # type: ignore[arg-type]
+
+
+# -- forging a pass: each attack here made the old sandbox (a token in the program's last line) say
+# "passed"; the nonce below is what the sandbox would use, so the tests can look for it in the output.
+
+KNOWN_NONCE = "5eed" * 8
+
+
+@pytest.fixture
+def known_nonce(monkeypatch):
+    monkeypatch.setattr(sandbox.secrets, "token_hex", lambda n: KNOWN_NONCE[:2 * n])
+    return KNOWN_NONCE
+
+
+# Issue 18's forge_token: find the end token and its fd in its own file, write it, leave.
+FORGE_TOKEN = """\
+import os, re
+source = open(__file__).read()
+fd, token = re.search(r"write\\((\\d+), b'([0-9a-f]+)'\\)", source).groups()
+os.write(int(fd), token.encode())
+os._exit(0)
+"""
+
+# Everything a program can read about itself: its file, argv, environment, /proc/self, every fd it
+# holds, the frames above it (the harness's locals and globals), and every object the collector
+# knows; then it writes each hex string it found to every fd and leaves.
+LOOK_EVERYWHERE = """\
+import os, re, sys
+found = set()
+def scan(data):
+    if isinstance(data, str):
+        data = data.encode('utf-8', 'replace')
+    if isinstance(data, (bytes, bytearray)):
+        found.update(m.decode() for m in re.findall(rb'[0-9a-f]{32}', data))
+for path in (__file__, '/proc/self/cmdline', '/proc/self/environ'):
+    try:
+        scan(open(path, 'rb').read())
+    except OSError as e:
+        print('refused:', path, e.strerror)
+scan(' '.join(sys.argv))
+scan(repr(dict(os.environ)))
+try:
+    fds = [int(n) for n in os.listdir('/proc/self/fd')]
+except OSError as e:
+    print('refused: /proc/self/fd', e.strerror)
+    fds = range(3, 256)
+for fd in fds:
+    try:
+        os.set_blocking(fd, False)
+        scan(os.read(fd, 65536))
+    except OSError:
+        pass
+frame = sys._getframe()
+while frame is not None:
+    for value in list(frame.f_locals.values()) + list(frame.f_globals.values()):
+        scan(value if isinstance(value, (str, bytes)) else repr(value))
+    frame = frame.f_back
+try:
+    import gc
+    for obj in gc.get_objects():
+        for cell in getattr(obj, '__closure__', None) or ():
+            scan(cell.cell_contents)
+except RuntimeError as e:
+    print('refused:', e)
+print('found', sorted(found))
+for secret in found:
+    for fd in range(3, 256):
+        try:
+            os.write(fd, secret.encode())
+        except OSError:
+            pass
+os._exit(0)
+"""
+
+# Its own memory, through /proc/self/mem.
+READ_OWN_MEMORY = """\
+import re
+found = set()
+try:
+    with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split('-'))
+            if 'r' not in perms or hi - lo > 64 * 2**20:
+                continue
+            try:
+                mem.seek(lo)
+                found.update(re.findall(rb'[0-9a-f]{32}', mem.read(hi - lo)))
+            except (OSError, OverflowError, ValueError):
+                pass
+except OSError as e:
+    print('refused:', e.strerror)
+print('found', sorted(found))
+"""
+
+
+@pytest.mark.parametrize("attack", [FORGE_TOKEN, LOOK_EVERYWHERE], ids=["forge_token", "look_everywhere"])
+def test_a_program_cannot_forge_the_verdict(attack, known_nonce):
+    # As one program (the tests at its end), and as the scorer runs it: program, then tests.
+    for result in (run_tests(attack + "assert False, 'the tests'\n"), run_tests(attack, tests="assert False\n")):
+        assert (result.passed, result.outcome) == (False, "failed"), result
+        assert known_nonce not in result.stdout
+
+
+def test_what_a_program_could_read_holds_no_nonce(known_nonce):
+    result = run_tests(LOOK_EVERYWHERE.replace("os._exit(0)", ""), tests="print('tests ran')\n")
+    # Its file, argv, environment, fds, the frames above it: no 32-hex-digit secret anywhere.
+    assert "found []" in result.stdout and known_nonce not in result.stdout, result
+    assert "refused: /proc/self/environ" in result.stdout
+    assert "refused: [sandbox] gc.get_objects is not allowed" in result.stdout
+    assert result.passed and result.stdout.endswith("tests ran\n")  # it did run its tests to the end
+
+
+def test_a_program_cannot_read_its_own_memory(known_nonce):
+    result = run_tests(READ_OWN_MEMORY)
+    assert result.passed, result.stderr
+    assert "refused: Permission denied" in result.stdout and known_nonce not in result.stdout, result.stdout
+
+
+TRACER_SKIPS_CHECK = """\
+def add(a, b):
+    return a - b
+
+import sys
+def tracer(frame, event, arg):
+    if frame.f_code.co_name != 'check':
+        return None
+    last = max(line for _, _, line in frame.f_code.co_lines() if line)
+    def jump(frame, event, arg):
+        if event == 'line' and frame.f_lineno != last:
+            frame.f_lineno = last  # straight to check's last line: its asserts never run
+        return jump
+    return jump
+sys.settrace(tracer)
+"""
+CHECK = "def check(candidate):\n    assert candidate(2, 3) == 5\n    return\n\ncheck(add)\n"
+
+
+def test_a_trace_function_cannot_skip_the_tests():
+    for result in (run_tests(TRACER_SKIPS_CHECK + CHECK), run_tests(TRACER_SKIPS_CHECK, tests=CHECK)):
+        assert (result.passed, result.outcome) == (False, "failed"), result
+        assert "sys.settrace is not allowed" in result.stderr
+    assert run_tests("def add(a, b):\n    return a + b\n", tests=CHECK).passed
+
+
+def test_the_tests_see_the_builtins_unpatched():
+    program = "import builtins\nbuiltins.abs = lambda x: 0\ndef area(r):\n    return 0\n"
+    tests = "assert abs(area(1) - 3.14159) < 1e-3\n"
+    result = run_tests(program, tests=tests)
+    assert (result.passed, result.outcome) == (False, "failed") and "AssertionError" in result.stderr, result
+    assert run_tests(program.replace("return 0", "return 3.14159"), tests=tests).passed
+
+
+def test_ctypes_is_refused():
+    result = run_tests("import ctypes\n")
+    assert not result.passed and "importing ctypes is not allowed" in result.stderr, result
+
+
+@pytest.mark.parametrize("escape", ["raise SystemExit(0)", "import os; os._exit(0)"])
+def test_leaving_from_inside_the_tests_fails(escape):
+    result = run_tests(f"def add(a, b):\n    {escape}\n", tests=CHECK)
+    assert (result.passed, result.outcome, result.exit_code) == (False, "failed", 0), result
+
+
+def test_the_program_runs_as_main_with_its_file():
+    program = ("import sys, __main__\nassert __name__ == '__main__' and __main__.__dict__ is globals()\n"
+               "assert sys.argv == [__file__] and __file__.endswith('program.py')\n"
+               "from dataclasses import dataclass\n@dataclass\nclass P:\n    x: int\n")
+    result = run_tests(program, tests="assert P(1).x == 1\nimport logging, typing\nT = typing.TypeVar('T')\n"
+                                      "logging.getLogger('t').warning('logged')\n")
+    assert result.passed, result.stderr
+    assert "logged" in result.stderr
+
+
+# -- runs side by side ------------------------------------------------------------------------------
+
+# A fork bomb that survives hitting its limit (a bare one dies of its first BlockingIOError), so its
+# uid stays at the limit for the whole run.
+BOMB_THAT_HOLDS_ON = """\
+import os, time
+while True:
+    try:
+        os.fork()
+    except OSError:
+        time.sleep(0.05)
+"""
+
+def test_a_fork_bomb_does_not_fail_the_runs_beside_it(isolation):
+    """Issue 18: runs sharing one uid shared its process limit, so a bomb failed its neighbours."""
+    before = _sandbox_processes()
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        bomb = pool.submit(run_tests, BOMB_THAT_HOLDS_ON, timeout_s=6.0)
+        deadline = time.monotonic() + 20
+        while len(_sandbox_processes() - before) < 32 and not bomb.done() and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the bomb is near its limit
+        assert not bomb.done()
+        benign = [pool.submit(run_tests, "import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait()\nprint('ok')\n",
+                              timeout_s=20.0) for _ in range(4)]
+        results = [f.result() for f in benign]
+        bombed = bomb.result()
+    assert all(r.passed and r.stdout == "ok\n" for r in results), [r.stderr[-300:] for r in results]
+    assert not bombed.passed
+    if os.geteuid() == 0:
+        assert len({r.uid for r in results + [bombed]}) == 5
+    _assert_nothing_left(before)
+
+
+def test_the_uid_pool_hands_out_distinct_uids_and_takes_them_back():
+    with pooled_uid() as a, pooled_uid() as b:
+        assert a != b and _in_pool(a) and _in_pool(b)
+    with pooled_uid() as c:
+        assert _in_pool(c)
+
+
+def test_a_lock_directory_that_is_not_ours_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox.tempfile, "gettempdir", lambda: str(tmp_path))
+    (tmp_path / "tabloop-sandbox-uids").mkdir(mode=0o777)
+    os.chmod(tmp_path / "tabloop-sandbox-uids", 0o777)  # as someone else could have made it in /tmp
+    with pytest.raises(SandboxUnavailable, match="mode 0700"):
+        with pooled_uid():
+            pass
+    os.chmod(tmp_path / "tabloop-sandbox-uids", 0o700)
+    with pooled_uid() as uid:
+        assert stat.S_IMODE(os.stat(tmp_path / "tabloop-sandbox-uids" / str(uid - UID_POOL_BASE)).st_mode) == 0o600
+
+
+# -- no isolation, no run ---------------------------------------------------------------------------
+
+@pytest.fixture
+def only_weak_isolation(monkeypatch):
+    """As on a machine without namespaces: the probe finds only the plan with nothing."""
+    monkeypatch.setattr(sandbox, "_plans", {})
+    monkeypatch.setattr(sandbox, "_unsafe_warned", set())
+    monkeypatch.setattr(sandbox, "_candidate_plans", lambda: [_Plan((), False)])
+
+
+def test_without_isolation_it_refuses_to_run(only_weak_isolation, monkeypatch):
+    monkeypatch.delenv(SANDBOX_VAR, raising=False)
+    with pytest.raises(SandboxUnavailable, match=f"{SANDBOX_VAR}=unsafe"):
+        run_tests("pass\n")
+    monkeypatch.setenv(SANDBOX_VAR, "isolated")
+    with pytest.raises(SandboxUnavailable, match="no .*net"):
+        run_tests("pass\n")
+    monkeypatch.setenv(SANDBOX_VAR, "sure")
+    with pytest.raises(ValueError, match=SANDBOX_VAR):
+        run_tests("pass\n")
+
+
+def test_unsafe_runs_without_isolation_and_says_so(only_weak_isolation, monkeypatch, caplog):
+    monkeypatch.setenv(SANDBOX_VAR, "unsafe")
+    with caplog.at_level(logging.WARNING, logger="tabloop.sandbox"):
+        result = run_tests("print('ran')\n")
+    assert result.passed and result.stdout == "ran\n" and result.isolation == ("rlimits",), result
+    assert any(f"{SANDBOX_VAR}=unsafe" in r.getMessage() for r in caplog.records)
