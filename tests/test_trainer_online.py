@@ -266,3 +266,45 @@ def test_a_rollback_makes_the_trainer_go_on_from_the_promoted_version(setup):
     assert m2.episodes_consumed == 4 and m2.episodes_trained == 4
     assert "training goes on from version 0" in (settings.trainer_dir / "trainer.log").read_text()
     assert_exactly_once(store.manifests(), end_offsets(settings, topic))
+
+
+# -- an episode as a training sample (no broker needed) -----------------------------------
+
+
+def _served_episode(tok, **over):
+    fields = dict(completion_id="cmpl-s", project_id="p", user_id="u", policy_version=0, prompt="def f(x):\n    return",
+                  completion_text=" x\n", completion_token_ids=[11, 12, 13], behaviour_logprobs=[-1.0, -2.0, -3.0],
+                  outcome="ACCEPTED", reward=0.75, reward_components={"acceptance": 0.75}, scorer="acceptance",
+                  matched=True)
+    return new_event("Episode", **{**fields, **over}).record
+
+
+def test_an_episode_is_trained_as_it_was_served(tiny_model):
+    """The served prompt ids, the event's completion ids (never re-derived from the text), and the sampler."""
+    from trainer.models import load_model
+    from trainer.online import episode_sample
+
+    _, tok = load_model(tiny_model)
+    served = tok.encode("# café", add_special_tokens=False)[:-1] + [5]  # ids a decode/encode would not give back
+    assert tok.encode(tok.decode(served), add_special_tokens=False) != served
+    ep = _served_episode(tok, prompt=tok.decode(served), prompt_token_ids=served, temperature=0.6, top_p=0.9)
+    s = episode_sample(ep, tok, max_prompt_tokens=2048)
+    assert s.prompt_ids == served
+    assert s.completion_ids == [11, 12, 13] and s.behaviour_logprobs == [-1.0, -2.0, -3.0]
+    assert (s.temperature, s.top_p) == (0.6, 0.9)
+    # An episode written before the ids and the sampler were recorded: the prompt text re-encoded, T = 1, top-p 1.
+    old = {k: v for k, v in _served_episode(tok).items() if k not in ("prompt_token_ids", "temperature", "top_p")}
+    s = episode_sample(old, tok, max_prompt_tokens=2048)
+    assert s.prompt_ids == tok.encode("def f(x):\n    return", add_special_tokens=False)
+    assert (s.temperature, s.top_p) == (1.0, 1.0)
+
+
+def test_greedy_episodes_are_dropped_and_counted_not_weighed(tiny_model):
+    from trainer.models import load_model
+    from trainer.online import drop_reason
+
+    _, tok = load_model(tiny_model)
+    assert drop_reason(_served_episode(tok, temperature=1e-4), 0, 4) == "greedy"
+    assert drop_reason(_served_episode(tok, temperature=0.01), 0, 4) is None  # older Continue's 0.01 is sampled
+    # Feedback on a completion we never served has no sampler: trained on-policy from its text, not "greedy".
+    assert drop_reason(_served_episode(tok, completion_token_ids=[], behaviour_logprobs=[], temperature=0.0), 0, 4) is None

@@ -277,3 +277,24 @@ def test_the_kl_reference_stays_the_base_when_a_full_fine_tune_resumes(tiny_mode
     before, after = first.update(samples)["kl_ref"], resumed.update(samples)["kl_ref"]
     assert before > 1e-3
     assert after == pytest.approx(before, rel=1e-3)
+
+
+def test_a_stale_rejected_episode_is_bounded_by_the_dual_clip(tiny_model):
+    """A < 0 and a ratio of 20 (the current policy now likes the rejected tokens 20× more than the stale one
+    that served them): plain PPO's loss is 20·|A| with a gradient to match; the dual clip caps it at 3·|A|."""
+    import math
+
+    model, tok = load_model(tiny_model)
+    trainer = PolicyTrainer(model, tok, UpdateConfig(lr=1e-9, warmup_updates=0), full=True)
+    sample = make_sample(tok, "def f():\n    return", [11, 12, 13], None, -1.0)
+    current = trainer.sequence_logprobs([sample])[0]
+
+    def update(ratio, clip_ratio_c):
+        trainer.config = UpdateConfig(lr=1e-9, warmup_updates=0, clip_ratio_c=clip_ratio_c)
+        stale = Sample(sample.prompt_ids, sample.completion_ids, [lp - math.log(ratio) for lp in current], -1.0)
+        return trainer.update([stale])
+
+    fresh, plain, capped = update(1.0, 3.0), update(20.0, math.inf), update(20.0, 3.0)
+    assert plain["policy_loss"] == pytest.approx(20.0, rel=1e-3) and plain["grad_norm"] > 10 * fresh["grad_norm"]
+    assert capped["policy_loss"] == pytest.approx(3.0) and capped["dual_clip_fraction"] == 1.0
+    assert capped["grad_norm"] == 0.0
