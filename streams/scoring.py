@@ -6,8 +6,9 @@ episode, the streams worker scores the episode before publishing it:
 
 - ``judge``: the judge's 0–10 score of (prefix, completion, suffix), for matched
   episodes whose prompt is a FIM prompt;
-- ``tests``: prefix + completion + suffix followed by the task's tests, run in the
-  sandbox, for prompts listed in the tests file (``TABLOOP_TESTS_FILE``).
+- ``tests``: prefix + completion + suffix, then the task's tests, run in the
+  sandbox (``streams.sandbox``: a pass it can't forge), for prompts listed in the
+  tests file (``TABLOOP_TESTS_FILE``).
 
 Both land on the acceptance scale of the spec (0 → ``rejected``, 1 → ``accepted``)
 so that a weighted mean of components means something. A scorer that fails
@@ -142,9 +143,11 @@ class Scorers:
                 else:
                     errors["judge"] = result.error or "no score"
             if "tests" in wanted:
-                program = f"{prefix}{text}{suffix}\n\n{self.tests.for_episode(episode)}\n"
+                # The tests go apart from the file: compiled on their own (a completion can't swallow them
+                # into a string) and run with the builtins the completion may have patched restored.
+                program, tests = f"{prefix}{text}{suffix}\n", self.tests.for_episode(episode)
                 try:
-                    result = await asyncio.to_thread(run_tests, program, timeout_s=self.tests_timeout_s,
+                    result = await asyncio.to_thread(run_tests, program, tests=tests, timeout_s=self.tests_timeout_s,
                                                      memory_bytes=self.tests_memory_bytes)
                 except Exception as exc:  # the sandbox itself failed: no score, say why
                     errors["tests"] = f"{type(exc).__name__}: {exc}"

@@ -13,6 +13,7 @@ from streams.judge import JudgeClient, JudgeConfig
 from streams.rewards import RewardSpec
 from streams.scoring import Scorers, UnitTestsIndex, judge_component, on_acceptance_scale, rescored, unit_tests_component
 from tests.test_judge import FakeJudgeAPI, Reply
+from tests.test_sandbox import FORGE_TOKEN
 
 SPEC = RewardSpec(weights={"acceptance": 0.4, "judge": 0.3, "tests": 0.2, "style": 0.1})
 PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
@@ -100,6 +101,17 @@ def test_judge_and_tests_scores_for_real(judge_api, tmp_path):
     assert components == {"judge": pytest.approx(judge_component(SPEC, 9)), "tests": 0.75} and errors == {}
     assert bad_components == {"tests": -0.25}  # a - b fails the tests
     assert set(bad_errors) == {"judge"} and "SCORE" in bad_errors["judge"]
+
+
+def test_completions_that_game_the_tests_are_scored_as_failing(tmp_path):
+    """Issue 18: a completion that wrote the sandbox's end token and left was rewarded as passing."""
+    index = UnitTestsIndex.from_jsonl(_tasks(tmp_path))
+    scorers = Scorers(tests=index, tests_timeout_s=20)
+    games = {"forge_token": "a - b\n" + FORGE_TOKEN, "leave_early": "a - b\nimport os\nos._exit(0)\n"}
+    for name, text in games.items():
+        components, errors = asyncio.run(scorers.score(SPEC, episode(text), ["tests"]))
+        assert (components, errors) == ({"tests": -0.25}, {}), name
+    assert asyncio.run(scorers.score(SPEC, episode("a + b"), ["tests"])) == ({"tests": 0.75}, {})
 
 
 def _tasks(tmp_path):
