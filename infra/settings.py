@@ -83,6 +83,10 @@ class Settings(BaseModel):
     tests_timeout_s: float = Field(10, gt=0, description="tests scorer: wall-clock limit per run")
     tests_memory_mb: int = Field(512, ge=16, description="tests scorer: address-space limit per run")
     scoring_concurrency: int = Field(8, ge=1, description="episodes being scored (judge, tests) at once per worker")
+    sandbox: Literal["isolated", "unsafe"] = Field(
+        "isolated", description="tests scorer: where the OS can't give the sandbox its full isolation (namespaces, "
+                                "a uid of its own), isolated refuses to run programs; unsafe runs them anyway, "
+                                "with a warning")
 
     # -- history (streams/history.py): ClickHouse, SQL over HTTP, the dashboard --
     history_database: str = Field("tabloop", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",

@@ -125,8 +125,7 @@ _UID_LOCK_DIR = "tabloop-sandbox-uids"  # under the temp dir: one lock file per 
 # The mechanisms a run must get, by our privileges; anything less needs TABLOOP_SANDBOX=unsafe.
 REQUIRED_AS_ROOT = frozenset({"uid", "mnt", "pid", "net", "ipc", "rlimits"})
 REQUIRED_UNPRIVILEGED = frozenset({"user", "pid", "net", "ipc", "rlimits"})
-SANDBOX_VAR = "TABLOOP_SANDBOX"
-SANDBOX_MODES = ("isolated", "unsafe")
+SANDBOX_VAR = "TABLOOP_SANDBOX"  # the ``sandbox`` setting
 _NONCE_BYTES = 16
 
 # World-writable directories all processes share: inside the mount namespace each is
@@ -230,14 +229,13 @@ def run_tests(program: str, *, tests: str | None = None, timeout_s: float = 10.0
                         ("max_output_bytes", max_output_bytes)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")
-    mode = sandbox_mode()
     exe = _resolve_python(python)
     if exe is None:
         return SandboxResult(False, "error", None, 0.0, "", f"[sandbox] no Python interpreter at {python!r}")
     plan = _plan_for(exe)
     missing = required_isolation() - set(plan.isolation)
     if missing:
-        if mode != "unsafe":
+        if sandbox_mode() != "unsafe":
             raise SandboxUnavailable(
                 f"the sandbox can only get {', '.join(plan.isolation)} here (no {', '.join(sorted(missing))}): "
                 f"refusing to run untrusted code with less isolation; set {SANDBOX_VAR}=unsafe to run it anyway")
@@ -256,17 +254,15 @@ def run_tests(program: str, *, tests: str | None = None, timeout_s: float = 10.0
 
 
 def sandbox_mode() -> str:
-    """``TABLOOP_SANDBOX``: "isolated" (the default) or "unsafe" (run with whatever isolation there is).
+    """The ``sandbox`` setting (``TABLOOP_SANDBOX``): "isolated" (the default) or "unsafe".
 
-    Read here rather than from ``infra.settings``: ``run_tests`` is called where
-    there is no Settings object (``tabloop eval``, the simulator) and the rule
-    must be the same everywhere. Settings declares the variable (``sandbox``) so
-    that ``load_settings`` knows it and checks its value too.
+    Loaded here, and only when the isolation is short of the full set, rather
+    than passed in: ``run_tests`` is also called where there is no Settings
+    object (``tabloop eval``, the simulator), and the rule must hold everywhere.
     """
-    mode = os.environ.get(SANDBOX_VAR, "") or "isolated"
-    if mode not in SANDBOX_MODES:
-        raise ValueError(f"{SANDBOX_VAR}={mode!r}: must be one of {', '.join(SANDBOX_MODES)}")
-    return mode
+    from infra.settings import load_settings  # not at the top: the bootstrap runs this file with no import path
+
+    return load_settings().sandbox
 
 
 def required_isolation() -> frozenset[str]:

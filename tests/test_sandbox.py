@@ -482,3 +482,14 @@ def test_unsafe_runs_without_isolation_and_says_so(only_weak_isolation, monkeypa
         result = run_tests("print('ran')\n")
     assert result.passed and result.stdout == "ran\n" and result.isolation == ("rlimits",), result
     assert any(f"{SANDBOX_VAR}=unsafe" in r.getMessage() for r in caplog.records)
+
+
+def test_unsafe_can_come_from_the_config_file(only_weak_isolation, monkeypatch, tmp_path):
+    monkeypatch.delenv(SANDBOX_VAR, raising=False)
+    monkeypatch.delenv("TABLOOP_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tabloop.yaml").write_text("sandbox: unsafe\n")
+    assert run_tests("pass\n").passed
+    (tmp_path / "tabloop.yaml").write_text("sandbox: isolated\n")
+    with pytest.raises(SandboxUnavailable):
+        run_tests("pass\n")
