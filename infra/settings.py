@@ -56,6 +56,10 @@ class Settings(BaseModel):
     max_prompt_tokens: int = Field(2048, ge=16, le=131072, description="longer prompts lose the top of the prefix")
     exploration_temperature: float | None = Field(None, ge=0, le=2,
                                                   description="if set, overrides the client's temperature")
+    default_temperature: float = Field(0.7, gt=0, le=2, description="served when the client sends no "
+                                       "temperature, or one below min_temperature (the exploration policy)")
+    min_temperature: float = Field(0.1, ge=0, le=2, description="client temperatures below this (near-greedy) "
+                                   "get default_temperature: greedy data is not weighed as if sampled")
     auth: Literal["keys", "open"] = Field("keys", description="keys: Bearer API keys; open: no auth, localhost only")
     rate_limit_per_minute: int = Field(600, ge=1, description="requests per minute per API key (default)")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="larger request bodies get 413")

@@ -9,6 +9,7 @@ event to the publisher. Bookkeeping never waits on Kafka.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import time
@@ -51,6 +52,40 @@ class CompletionParams:
     user: str | None
     model: str | None
     seed: int | None
+    requested_temperature: float | None = None
+    """The temperature the client asked for (None: it sent none); ``temperature`` is what is served."""
+
+
+def sampling_temperature(requested: float | None, settings: Settings) -> float:
+    """The exploration policy: the temperature a completion is sampled at.
+
+    ``TABLOOP_EXPLORATION_TEMPERATURE``, when set, for every request (an operator's override; 0 = greedy).
+    Otherwise the client's temperature, unless it sent none (Continue's autocomplete) or one below
+    ``TABLOOP_MIN_TEMPERATURE`` (older Continue sent 0.01): those get ``TABLOOP_DEFAULT_TEMPERATURE``.
+    Near-greedy samples are a near point mass — whatever the trainer does with them, they explore nothing
+    and their importance ratios swing with every small change of the logits — so what users get by
+    default is a real sample of the model, whose logprobs the trainer can weigh (top-p stays the
+    client's, 1 by default: every token, the end of sequence that shows nothing included, keeps a
+    non-zero probability, so any policy the trainer moves to is covered by the data).
+    """
+    if settings.exploration_temperature is not None:
+        return settings.exploration_temperature
+    if requested is None or requested < settings.min_temperature:
+        return settings.default_temperature
+    return requested
+
+
+def kept_token_count(token_text_ends: list[int], shown_chars: int) -> int:
+    """How many of a completion's generated tokens its episode trains on: those whose text lies within the
+    ``shown_chars`` characters the user was shown, plus the one token that ended them (the end of
+    sequence, or the token a stop string, a hold-back or the client's leaving cut into).
+
+    ``token_text_ends[i]``: where token i's text ends in the generated text (non-decreasing: a token whose
+    text is still incomplete — half a UTF-8 character — ends where the one before it did). Tokens after
+    the ending one were never seen, so their reward says nothing about them.
+    """
+    within = bisect.bisect_right(token_text_ends, shown_chars)
+    return min(within + 1, len(token_text_ends))
 
 
 def parse_completion_request(body, settings: Settings) -> CompletionParams:
@@ -66,8 +101,8 @@ def parse_completion_request(body, settings: Settings) -> CompletionParams:
     max_tokens = body_field(body, "max_tokens", int, default=16)
     if max_tokens < 1:
         raise HTTPProblem(400, "'max_tokens' must be at least 1", param="max_tokens")
-    temperature = float(body_field(body, "temperature", (int, float), default=1.0))
-    if not 0 <= temperature <= 2:
+    temperature = body_field(body, "temperature", (int, float))  # None: the exploration policy decides
+    if temperature is not None and not 0 <= temperature <= 2:
         raise HTTPProblem(400, "'temperature' must be between 0 and 2", param="temperature")
     top_p = float(body_field(body, "top_p", (int, float), default=1.0))
     if not 0 < top_p <= 1:
@@ -93,8 +128,8 @@ def parse_completion_request(body, settings: Settings) -> CompletionParams:
         client_prompt=prompt,
         model_prompt=build_fim_prompt(prompt, suffix) if suffix is not None else prompt,
         max_tokens=min(max_tokens, settings.max_new_tokens),
-        temperature=settings.exploration_temperature if settings.exploration_temperature is not None
-        else temperature,
+        temperature=sampling_temperature(temperature, settings),
+        requested_temperature=float(temperature) if temperature is not None else None,
         top_p=top_p,
         stop=tuple(dict.fromkeys([*stop, *QWEN_STOP_WORDS])),  # the client's first, no duplicates
         stream=body_field(body, "stream", bool, default=False),
@@ -129,6 +164,13 @@ class CompletionRun:
     started: float = field(default_factory=time.perf_counter)
     ttft_ms: float = 0.0
     latency_ms: float = 0.0
+    prompt_ids: list[int] = field(default_factory=list)
+    """The token ids the model was fed: ours after trimming, or those a remote replica reported; [] when
+    a replica tokenized the text itself and did not say (the trainer then re-encodes the prompt text)."""
+    token_text_ends: list[int] = field(default_factory=list)
+    """Where each generated token's text ends in the generated text (``kept_token_count``)."""
+    _generated_chars: int = 0
+    _prompt_ids_sent: bool = False
 
     def prepare(self) -> GenerationRequest:
         """Tokenize and trim the prompt; raises HTTPProblem before any response is started."""
@@ -147,6 +189,7 @@ class CompletionRun:
             self.prompt_text = tok.decode(ids, skip_special_tokens=False)
         else:
             self.prompt_text = self.params.model_prompt
+        self.prompt_ids = list(ids) if self.engine.feeds_prompt_ids else []
         self.generation = GenerationRequest(prompt_ids=ids, max_new_tokens=self.params.max_tokens,
                                             temperature=self.params.temperature, top_p=self.params.top_p,
                                             seed=self.params.seed, prompt_text=self.prompt_text)
@@ -161,9 +204,13 @@ class CompletionRun:
                     if not self.ttft_ms:
                         self.ttft_ms = (time.perf_counter() - self.started) * 1000
                     self.policy_version = step.policy_version
+                    if step.prompt_token_ids:
+                        self.prompt_ids = list(step.prompt_token_ids)
+                    self._generated_chars += len(step.text)
                     if step.token_id >= 0:  # remote engines may end with a text-only step
                         self.token_ids.append(step.token_id)
                         self.logprobs.append(step.logprob)
+                        self.token_text_ends.append(self._generated_chars)
                         steps.append(step)
                     pending += step.text
                     cut = earliest_stop(pending, self.params.stop)
@@ -198,6 +245,9 @@ class CompletionRun:
                                   "text_offset": None}
         if self.params.return_token_ids:
             choice["token_ids"] = [s.token_id for s in steps]
+            if not self._prompt_ids_sent:  # as vLLM does: the ids this server fed the model, once
+                choice["prompt_token_ids"] = self.prompt_ids
+                self._prompt_ids_sent = True
         return {"id": self.completion_id, "object": "text_completion", "created": self.created,
                 "model": self.params.model or self.engine.model_name, "choices": [choice]}
 
@@ -219,15 +269,20 @@ class CompletionRun:
 
     def event(self) -> Event:
         parsed = parse_prompt(self.params.model_prompt)
+        # The episode trains on what the user saw plus the token that ended it, not on tokens generated
+        # past a stop, held back and never sent, or read by a client that had already gone.
+        kept = kept_token_count(self.token_text_ends, len(self.text))
         return new_event(
             "CompletionServed", completion_id=self.completion_id, project_id=self.project_id,
             user_id=self.user_id, model=self.engine.model_name,
             policy_version=self.policy_version if self.policy_version is not None else self.engine.policy_version,
-            prompt=self.prompt_text or self.params.model_prompt,
+            prompt=self.prompt_text or self.params.model_prompt, prompt_token_ids=self.prompt_ids,
             prompt_sha256=hashlib.sha256(self.params.client_prompt.encode()).hexdigest(),
             prefix=parsed.prefix, suffix=parsed.suffix, filepath=parsed.filepath,
-            completion_text=self.text, completion_token_ids=self.token_ids, completion_logprobs=self.logprobs,
+            completion_text=self.text, completion_token_ids=self.token_ids[:kept],
+            completion_logprobs=self.logprobs[:kept],
             finish_reason=self.finish_reason or "abort", aborted=self.aborted,
             temperature=self.params.temperature, top_p=self.params.top_p, max_tokens=self.params.max_tokens,
+            requested_temperature=self.params.requested_temperature,
             ttft_ms=self.ttft_ms, latency_ms=self.latency_ms, replica_id=self.replica_id,
         )

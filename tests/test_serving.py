@@ -116,7 +116,11 @@ def test_continue_shaped_request(served):
     assert r["completion_text"] == text
     assert r["filepath"] == "app/main.py"
     assert r["prefix"].endswith("def greet(name):\n    return ") and r["suffix"] == "\n\nprint(greet('x'))\n"
-    assert r["prompt"] == CONTINUE_PROMPT and r["temperature"] == 0.01
+    # Older Continue's near-greedy 0.01 is served at the exploration policy's default (recorded, both).
+    assert r["prompt"] == CONTINUE_PROMPT and r["temperature"] == 0.7 and r["requested_temperature"] == 0.01
+    # The ids the model was fed (the prompt was not trimmed: the same as encoding it).
+    assert r["prompt_token_ids"] == served.server.engine.tokenizer.encode(CONTINUE_PROMPT, add_special_tokens=False)
+    assert len(r["completion_token_ids"]) == len(r["completion_logprobs"]) >= 1
 
 
 def test_suffix_builds_the_fim_prompt(served):

@@ -54,6 +54,8 @@ def test_round_robin_logprobs_and_failover(kafka, tiny_model, tmp_path):
                 assert r["completion_logprobs"] == pytest.approx(
                     twin["completion_logprobs"][:len(r["completion_logprobs"])], abs=1e-5)
                 assert r["replica_id"] == "front" and r["project_id"] == "acme"
+                # The replica tokenized the prompt text itself and said which ids it fed: those are recorded.
+                assert r["prompt_token_ids"] == twin["prompt_token_ids"] != []
 
             replicas[1].stop()  # one replica dies: requests keep being answered by the other
             for i in range(4):

@@ -20,7 +20,11 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class TokenStep:
-    """One generated token: its id, its logprob under the policy (temperature 1), its text."""
+    """One generated token: its id, its behaviour logprob, its text.
+
+    ``logprob`` is log π of the token under the distribution it was drawn from — the request's temperature
+    and top-p nucleus, ``trainer.losses.sampling_log_probs`` (0.0 for greedy: a point mass) — which is what
+    the trainer's importance ratio divides by, not the temperature-1 log-softmax."""
 
     token_id: int
     logprob: float
@@ -28,12 +32,17 @@ class TokenStep:
     policy_version: int
     finish_reason: str | None = None
     """Set on the last step: "stop" (end of sequence) or "length"."""
+    prompt_token_ids: tuple[int, ...] | None = None
+    """Set (on one step) by engines whose server tokenized the prompt text itself: the ids it fed the model,
+    which are what the episode must train on (``GenerationRequest.prompt_ids`` otherwise)."""
 
 
 class Engine(ABC):
     name: str = "engine"
     model_name: str = ""
     policy_version: int = 0
+    feeds_prompt_ids: bool = True
+    """The model is fed ``GenerationRequest.prompt_ids`` as they are (False: a server tokenizes the text)."""
 
     @property
     @abstractmethod

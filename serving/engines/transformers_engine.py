@@ -29,6 +29,7 @@ from typing import AsyncIterator
 import torch
 
 from serving.engines.base import Engine, GenerationRequest, TokenStep
+from trainer.losses import GREEDY_TEMPERATURE, sampling_log_probs
 
 log = logging.getLogger("tabloop.engine")
 _DONE = object()  # end of a request's token stream
@@ -51,20 +52,20 @@ class _Slot:
             self.cancelled = True
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> int:
-    """Sample one token id from a row of logits (greedy below temperature 1e-4)."""
-    if temperature < 1e-4:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        cut = cumulative - sorted_probs > top_p
-        sorted_probs[cut] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
+                 generator: torch.Generator | None) -> tuple[int, float]:
+    """(token id, its behaviour logprob) drawn from a row of logits by the sampler's own distribution.
+
+    The distribution is ``sampling_log_probs`` — softmax(z/T) cut to the top-p nucleus and renormalised;
+    the argmax with logprob 0.0 at or below GREEDY_TEMPERATURE — the same function the trainer recomputes
+    the current policy with, so the ratio compares like with like.
+    """
+    logp = sampling_log_probs(logits, temperature, top_p)
+    if temperature <= GREEDY_TEMPERATURE:
+        token = int(torch.argmax(logp))
+    else:
+        token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    return token, float(logp[token])
 
 
 class TransformersEngine(Engine):
@@ -249,7 +250,6 @@ class TransformersEngine(Engine):
         active = [True] * len(batch)
         last_pos = positions[:, -1]
         while True:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
             next_ids = []
             for row, slot in enumerate(batch):
                 if not active[row] or slot.cancelled:
@@ -259,15 +259,14 @@ class TransformersEngine(Engine):
                     next_ids.append(self.pad_id)
                     continue
                 req = slot.request
-                token = sample_next(logits[row], req.temperature, req.top_p, generators[row])
+                token, logprob = sample_token(logits[row], req.temperature, req.top_p, generators[row])
                 slot.generated.append(token)
                 finish = None
                 if token in self.eos_ids:
                     finish = "stop"
                 elif len(slot.generated) >= req.max_new_tokens:
                     finish = "length"
-                slot.emit(TokenStep(token, float(logprobs[row, token]), self._new_text(slot, finish), version,
-                                    finish))
+                slot.emit(TokenStep(token, logprob, self._new_text(slot, finish), version, finish))
                 if finish:
                     active[row] = False
                     slot.emit(_DONE)

@@ -1,8 +1,19 @@
 """Remote generation on one or more vLLM OpenAI-compatible servers (round-robin over healthy ones).
 
 Each request asks for the sampled tokens' ids and logprobs (``return_token_ids``,
-``logprobs: 0``), so the behaviour policy is recorded exactly as with the
-in-process engine. New LoRA versions are loaded on every replica with
+``logprobs: 0``) and records the prompt ids the replica tokenized the text into
+(vLLM returns them as ``prompt_token_ids`` with ``return_token_ids``; so does a
+``tabloop serve`` replica).
+
+The behaviour logprob must be of the distribution the token was drawn from
+(temperature, top-p: ``trainer.losses.sampling_log_probs``). vLLM returns, by
+default, the *raw* logprobs (temperature 1, before top-p), and which ones it
+returns is a server option, not a request field: run the replicas with
+``vllm serve … --logprobs-mode processed_logprobs`` (vLLM ≥ 0.10.2), which
+returns them after temperature and top-k/top-p. Without it the recorded logprobs
+are right only for requests served at temperature 1 and top-p 1. Greedy requests
+(temperature ≤ GREEDY_TEMPERATURE) are recorded as what they are, a point mass
+(logprob 0), whatever the replica reports. New LoRA versions are loaded on every replica with
 ``/v1/load_lora_adapter`` and requested by adapter name. Anything that speaks
 the same API works as a replica, another ``tabloop serve`` included.
 """
@@ -19,6 +30,7 @@ import httpx
 
 from infra.settings import Settings
 from serving.engines.base import Engine, GenerationRequest, TokenStep
+from trainer.losses import GREEDY_TEMPERATURE
 
 log = logging.getLogger("tabloop.vllm")
 UNHEALTHY_FOR_S = 5.0
@@ -26,6 +38,7 @@ UNHEALTHY_FOR_S = 5.0
 
 class VLLMEngine(Engine):
     name = "vllm"
+    feeds_prompt_ids = False  # replicas tokenize the prompt text; they say which ids they fed (``_steps``)
 
     def __init__(self, settings: Settings):
         from transformers import AutoTokenizer
@@ -83,7 +96,8 @@ class VLLMEngine(Engine):
                         data = line[6:]
                         if data == "[DONE]":
                             return
-                        for step in _steps(json.loads(data), version):
+                        for step in _steps(json.loads(data), version,
+                                           greedy=request.temperature <= GREEDY_TEMPERATURE):
                             emitted = True
                             yield step
                 return
@@ -111,17 +125,23 @@ class VLLMEngine(Engine):
         self._served_name, self.policy_version = name, version
 
 
-def _steps(chunk: dict, version: int) -> list[TokenStep]:
-    """TokenSteps from one streamed completion chunk (it may carry several tokens)."""
+def _steps(chunk: dict, version: int, *, greedy: bool = False) -> list[TokenStep]:
+    """TokenSteps from one streamed completion chunk (it may carry several tokens); ``greedy``: the request
+    took the argmax, whose behaviour logprob is 0 (a point mass) whatever the replica reports."""
     choice = chunk["choices"][0]
     ids = choice.get("token_ids") or []
     logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
     if len(logprobs) != len(ids):
         raise RuntimeError("the replica did not return one logprob per token id (needs return_token_ids "
                            "and logprobs support)")
+    if greedy:
+        logprobs = [0.0] * len(ids)
+    prompt_ids = choice.get("prompt_token_ids")
+    prompt_ids = tuple(prompt_ids) if prompt_ids else None
     text, finish = choice.get("text", ""), choice.get("finish_reason")
     if not ids:
-        return [TokenStep(-1, 0.0, text, version, finish)] if (text or finish) else []
-    steps = [TokenStep(t, float(lp), "", version) for t, lp in zip(ids[:-1], logprobs[:-1])]
-    steps.append(TokenStep(ids[-1], float(logprobs[-1]), text, version, finish))
+        return [TokenStep(-1, 0.0, text, version, finish, prompt_ids)] if (text or finish or prompt_ids) else []
+    steps = [TokenStep(t, float(lp), "", version, None, prompt_ids if i == 0 else None)
+             for i, (t, lp) in enumerate(zip(ids[:-1], logprobs[:-1]))]
+    steps.append(TokenStep(ids[-1], float(logprobs[-1]), text, version, finish, None if steps else prompt_ids))
     return steps
