@@ -46,6 +46,8 @@ from infra.bus import gave_up
 from infra.settings import Settings
 from schemas.events import EVENT_TYPES, EventType
 from schemas.topics import CATALOG
+# The read-only query path (guard, readers, caps) lives there; NotReadOnly and HistoryBusy stay importable here.
+from streams.history_guard import HistoryBusy, NotReadOnly, QueryLimits, ReaderPool  # noqa: F401
 
 log = logging.getLogger("tabloop.history")
 
@@ -248,43 +250,6 @@ def open_client(url: str):
         raise HistoryError(f"cannot open ClickHouse at {url}: {exc}") from None
 
 
-_READ_ONLY_START = re.compile(r"^(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", re.IGNORECASE)
-_WRAPPABLE = re.compile(r"^(SELECT|WITH)\b", re.IGNORECASE)
-_OUTSIDE_FUNCTIONS = re.compile(
-    r"\b(file|fileCluster|url|urlCluster|executable|executablePool|s3|s3Cluster|gcs|azureBlobStorage|hdfs|"
-    r"hdfsCluster|remote|remoteSecure|cluster|clusterAllReplicas|mysql|postgresql|jdbc|odbc|sqlite|mongodb|redis|"
-    r"deltaLake|iceberg|hudi|python|input)\s*\(", re.IGNORECASE)
-_COMMENT = re.compile(r"(--[^\n]*\n?)|(/\*.*?\*/)", re.DOTALL)
-
-
-class NotReadOnly(ValueError):
-    """A statement that would change something, sent where only reading is allowed."""
-
-
-def check_read_only(sql: str) -> str:
-    """The statement without a trailing semicolon, or NotReadOnly saying why it is refused.
-
-    The engine's ``readonly`` setting is the real guard; this gives a clear message first.
-    """
-    text = _COMMENT.sub(" ", sql).strip().rstrip(";").strip()
-    if not text:
-        raise NotReadOnly("empty query")
-    if ";" in _strip_literals(text):
-        raise NotReadOnly("one statement per query")
-    if not _READ_ONLY_START.match(text):
-        word = text.split(None, 1)[0].upper()
-        raise NotReadOnly(f"only SELECT, WITH, SHOW, DESCRIBE, EXPLAIN and EXISTS are allowed here, not {word}")
-    reaching_out = _OUTSIDE_FUNCTIONS.search(_strip_literals(text))
-    if reaching_out:
-        # Reading files, URLs or other servers, or running programs, is no part of looking at history.
-        raise NotReadOnly(f"table function {reaching_out.group(1)}() reaches outside the history database")
-    return text
-
-
-def _strip_literals(text: str) -> str:
-    return re.sub(r"'(?:\\.|[^'\\])*'", "''", text)
-
-
 @dataclass
 class QueryResult:
     columns: list[str]
@@ -298,23 +263,30 @@ class QueryResult:
 class HistoryStore:
     """The tables and views in one database, and every read and write to them.
 
-    One lock serialises calls: the embedded engine is one per process, and the
-    sink's inserts and the SQL server's queries share it.
+    One lock serialises the sink's own calls on its handle. Read queries (``query``)
+    run on other handles to the same engine (``readers``), capped and read-only,
+    so a heavy one never holds the sink's inserts.
     """
 
-    def __init__(self, client, database: str = "tabloop", retention: Mapping[str, int] | None = None):
+    def __init__(self, client, database: str = "tabloop", retention: Mapping[str, int] | None = None, *,
+                 limits: QueryLimits | None = None, connect: Callable[[], Any] | None = None):
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", database):
             raise HistoryError(f"database name {database!r}: use letters, digits and _")
         self.client = client
         self.database = database
         self.retention = dict(retention or {})
         self._lock = threading.Lock()
+        # Read queries run on handles of their own (``connect`` makes one; for chdb a second handle on the
+        # same engine), capped and read-only, so they never wait on or hold the sink's lock.
+        self.limits = limits or QueryLimits()
+        self.readers = ReaderPool(connect or _reader_connect(client), database, self.limits)
         self._columns = {table: [n for n, _ in event_columns(EVENT_TYPES[e])] for table, e in EVENT_FOR_TABLE.items()}
 
     @classmethod
     def from_settings(cls, settings: Settings, client=None) -> "HistoryStore":
-        return cls(client or open_client(settings.effective_clickhouse_url), settings.history_database,
-                   parse_retention(settings.history_retention_days))
+        url = settings.effective_clickhouse_url
+        return cls(client or open_client(url), settings.history_database,
+                   parse_retention(settings.history_retention_days), connect=lambda: open_client(url))
 
     def ensure_schema(self) -> list[str]:
         """Create the database, tables and views; add columns new schema versions brought; set each TTL."""
@@ -375,23 +347,12 @@ class HistoryStore:
         with self._lock:
             return {int(r[0]) for r in self.client.query(sql).result_rows}
 
-    def query(self, sql: str, *, read_only: bool = True, max_rows: int | None = None,
-              timeout_s: float | None = None) -> QueryResult:
-        """Run one query; read-only ones are checked and run under the engine's readonly setting.
-
-        The limits go in a SETTINGS clause of the query itself, never as session settings: the
-        embedded driver applies per-call settings with SET and restores them after, and once
-        ``readonly`` is set nothing can unset it, so the session would stay read-only for good.
-        """
+    def query(self, sql: str, *, read_only: bool = True) -> QueryResult:
+        """Run one query. Read-only ones (the default) go through the guard in streams.history_guard and run
+        on a capped, read-only reader (NotReadOnly when refused, HistoryBusy when every reader is busy);
+        ``read_only=False`` is for the store's own statements, on the sink's handle."""
         if read_only:
-            sql = check_read_only(sql)
-            if _WRAPPABLE.match(sql):
-                limits = ["readonly = 2"]  # 2: no writes, yet the limits below may be set
-                if max_rows:
-                    limits += [f"max_result_rows = {int(max_rows)}", "result_overflow_mode = 'break'"]
-                if timeout_s:
-                    limits.append(f"max_execution_time = {int(timeout_s)}")
-                sql = f"SELECT * FROM (\n{sql}\n) SETTINGS {', '.join(limits)}"
+            return QueryResult(*self.readers.query(sql))
         with self._lock:
             result = self.client.query(sql)
         return QueryResult(list(result.column_names), [t.name for t in result.column_types],
@@ -405,6 +366,18 @@ class HistoryStore:
         with self._lock:
             return int(self.client.query(
                 f"SELECT count() FROM {self.database}.{table}{' FINAL' if final else ''}").result_rows[0][0])
+
+
+def _reader_connect(client) -> Callable[[], Any]:
+    """How to open another handle like ``client``: for chdb, another handle on the same engine."""
+    path = getattr(client, "path", None)
+    if path is None or not str(getattr(client, "uri", "")).startswith("chdb://"):
+        def refuse():
+            raise HistoryError("read queries need their own connection: build the store with connect=…")
+        return refuse
+    import clickhouse_connect
+
+    return lambda: clickhouse_connect.get_client(dsn=f"chdb://{path}")
 
 
 def sql_literal(value: Any) -> str:

@@ -8,9 +8,10 @@ runs the sink owns it and answers everyone else's queries:
     GET  /health           {"ok": true, "sink": …}                           (open)
     GET  /                 the dashboard page, /dashboard/* its script and style (open; no data in them)
 
-Only reading statements pass (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN, EXISTS),
-and they run with ClickHouse's ``readonly`` setting, so the engine refuses
-writes too. ``SqlClient`` is the other side: against ``chdb://`` it asks this
+Only reading statements over the history database pass, decided on the
+engine's own parse, and they run on capped read-only handles of their own
+(streams.history_guard). Unqualified names mean the history database's
+tables. ``SqlClient`` is the other side: against ``chdb://`` it asks this
 server; against an ``http://`` ClickHouse server it queries the server directly.
 """
 
@@ -31,13 +32,13 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from infra.settings import Settings
-from streams.history import HistoryStore, NotReadOnly, QueryResult, check_read_only, json_value
+from streams.history import HistoryStore, QueryResult, json_value
+from streams.history_guard import HistoryBusy, NotReadOnly, QueryLimits, ReaderPool
 
 log = logging.getLogger("tabloop.history")
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 MAX_QUERY_BYTES = 256 * 1024
-MAX_ROWS = 100_000
-QUERY_TIMEOUT_S = 60
+QUERY_TIMEOUT_S = QueryLimits().timeout_s
 
 
 def history_token(settings: Settings, create: bool = False) -> str | None:
@@ -142,13 +143,12 @@ def build_app(store: HistoryStore, token: str, status: Callable[[], dict] | None
                 return _problem(400, "expected {\"query\": \"SELECT …\"}")
             query = parsed["query"]
         try:
-            check_read_only(query)
+            result = await run_in_threadpool(store.query, query)
         except NotReadOnly as exc:
             return _problem(403, f"refused: {exc}")
-        try:
-            result = await run_in_threadpool(store.query, query, max_rows=MAX_ROWS, timeout_s=QUERY_TIMEOUT_S)
-        except NotReadOnly as exc:
-            return _problem(403, f"refused: {exc}")
+        except HistoryBusy as exc:
+            return JSONResponse({"error": {"message": str(exc), "code": 503}}, status_code=503,
+                                headers={"Retry-After": "5"})
         except Exception as exc:  # the engine's own message: syntax errors, unknown tables…
             return _problem(400, _engine_message(exc))
         return JSONResponse({"columns": result.columns, "types": result.types,
@@ -191,13 +191,18 @@ def build_app(store: HistoryStore, token: str, status: Callable[[], dict] | None
     return Starlette(routes=routes)
 
 
+_CAP_HINTS = {"TOO_MANY_ROWS_OR_BYTES": "results here are capped: add a LIMIT, or aggregate",
+              "MEMORY_LIMIT_EXCEEDED": "each query here has a memory cap: aggregate over less, or filter first",
+              "TIMEOUT_EXCEEDED": "queries here stop at the time cap: filter by day, or aggregate in a view"}
+
+
 def _engine_message(exc: Exception) -> str:
     text = str(exc).strip()
     # clickhouse-connect wraps the server's message in lines of its own; the engine's line says what is wrong.
-    for line in text.splitlines():
-        if "DB::Exception" in line or "Code:" in line:
-            return line.strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    line = next((ln.strip() for ln in text.splitlines() if "DB::Exception" in ln or "Code:" in ln),
+                text.splitlines()[0] if text else type(exc).__name__)
+    hint = next((h for code, h in _CAP_HINTS.items() if code in line), None)
+    return f"{line} ({hint})" if hint else line
 
 
 class HistoryServer:
@@ -257,10 +262,7 @@ class SqlClient:
         return self.url.startswith(("http://", "https://"))
 
     def query(self, sql: str) -> QueryResult:
-        try:
-            check_read_only(sql)
-        except NotReadOnly as exc:
-            raise SqlError(f"refused: {exc}") from None
+        """The sink checks and caps what it is sent; a server is asked through the same guard, here."""
         if self.direct:
             return self._query_server(sql)
         return self._query_sink(sql)
@@ -269,13 +271,15 @@ class SqlClient:
         from streams.history import open_client
 
         if self._client is None:
-            self._client = open_client(self.url)
+            url = self.url
+            self._client = ReaderPool(lambda: open_client(url), self.database, QueryLimits(), size=1)
         try:
-            result = self._client.query(sql)
+            columns, types, rows = self._client.query(sql)
+        except NotReadOnly as exc:
+            raise SqlError(f"refused: {exc}") from None
         except Exception as exc:
             raise SqlError(_engine_message(exc)) from None
-        return QueryResult(list(result.column_names), [t.name for t in result.column_types],
-                           [[json_value(v) for v in r] for r in result.result_rows])
+        return QueryResult(columns, types, [[json_value(v) for v in r] for r in rows])
 
     def _query_sink(self, sql: str) -> QueryResult:
         import httpx

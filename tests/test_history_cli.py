@@ -50,7 +50,7 @@ def test_sql_refuses_writes_and_says_when_the_sink_is_down(sink):
     store, env, _ = sink
     r = sql(env, f"INSERT INTO {store.database}.weights SELECT * FROM {store.database}.weights")
     assert r.exit_code == 1 and "refused" in r.output and "not INSERT" in r.output
-    r = sql(env, "SELECT nosuchcolumn FROM system.one")
+    r = sql(env, "SELECT nosuchcolumn FROM feedback")
     assert r.exit_code == 1 and "nosuchcolumn" in r.output
     r = sql({**env, "TABLOOP_HISTORY_TOKEN": "wrong"}, "SELECT 1")
     assert r.exit_code == 1 and "401" in r.output
