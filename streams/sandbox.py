@@ -653,7 +653,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 # and the hook touches no object the program made (an argument's __eq__ would run the program's code
 # inside the hook, where the nonce is). Keep it small; the module docstring says what it guarantees.
 _HARNESS = r"""
-def _tabloop_sandbox_hook(nonce_fd, result_fd, end_frame, end_event):
+def _tabloop_sandbox_hook(nonce_fd, result_fd, end_frame, end_line, end_event):
     import os, sys
     nonce = b""
     while True:
@@ -672,8 +672,11 @@ def _tabloop_sandbox_hook(nonce_fd, result_fd, end_frame, end_event):
         if type_(event) is not str_:
             raise error("[sandbox] an audit event that is not a str")
         if event == end_event:
-            # Only the harness's own frame, past the tests, may say the end was reached.
-            if not done and getframe(1) is end_frame:
+            # Only the harness's own frame, on its last line (so past the tests), may say the end was
+            # reached: anywhere else in it, the event could come from a C callback the program set up
+            # (a weakref's functools.partial(sys.audit, …) firing as the harness restores the builtins).
+            caller = getframe(1)
+            if not done and caller is end_frame and caller.f_lineno == end_line:
                 done.append(True)
                 write(result_fd, nonce)
                 close(result_fd)
@@ -720,7 +723,7 @@ def _tabloop_sandbox_harness():
     namespace.update(__file__=program_path, __builtins__=builtins)
     sys.modules["__main__"] = main
     sys.argv = [program_path]
-    sys.addaudithook(_tabloop_sandbox_hook(nonce_fd, result_fd, sys._getframe(), "tabloop.sandbox.end"))
+    sys.addaudithook(_tabloop_sandbox_hook(nonce_fd, result_fd, sys._getframe(), END_LINE, "tabloop.sandbox.end"))
     run(program, namespace)
     clear_builtins()  # the tests see the builtins as they were, whatever the program patched
     update_builtins(original_builtins)
@@ -731,6 +734,9 @@ def _tabloop_sandbox_harness():
 
 _tabloop_sandbox_harness()
 """
+_END_CALL = '    audit("tabloop.sandbox.end")'
+assert _HARNESS.count(_END_CALL) == 1
+_HARNESS = _HARNESS.replace("END_LINE", str(_HARNESS.splitlines().index(_END_CALL) + 1))
 
 
 # -- the bootstrap: this file run as a script, as root if we are ---------------------------------

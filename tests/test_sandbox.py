@@ -341,6 +341,30 @@ def test_what_a_program_could_read_holds_no_nonce(known_nonce):
     assert result.passed and result.stdout.endswith("tests ran\n")  # it did run its tests to the end
 
 
+# The harness's own end event, raised by the program; and raised from the harness's frame by a C
+# callback (no Python frame between) while the harness restores the builtins, before the tests.
+RAISE_THE_END = """\
+import os, sys
+sys.audit("tabloop.sandbox.end")
+os._exit(0)
+"""
+END_FROM_A_CALLBACK = """\
+import atexit, builtins, functools, os, sys, weakref
+class Bait:
+    pass
+builtins.bait = Bait()  # only the builtins hold it: the harness drops it when it restores them
+ref = weakref.ref(builtins.bait, functools.partial(sys.audit, "tabloop.sandbox.end"))
+atexit.register(os._exit, 0)  # and when the tests fail, leave with 0 anyway
+"""
+
+
+@pytest.mark.parametrize("attack", [RAISE_THE_END, END_FROM_A_CALLBACK], ids=["raise_the_end", "end_from_a_callback"])
+def test_a_program_cannot_raise_the_harness_end(attack):
+    result = run_tests(attack, tests="assert False, 'the tests'\n")
+    assert (result.passed, result.outcome, result.exit_code) == (False, "failed", 0), result
+    assert "did not see the tests run to their end" in result.stderr
+
+
 def test_a_program_cannot_read_its_own_memory(known_nonce):
     result = run_tests(READ_OWN_MEMORY)
     assert result.passed, result.stderr
