@@ -9,7 +9,6 @@ event to the publisher. Bookkeeping never waits on Kafka.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import time
@@ -32,6 +31,7 @@ from serving.fim import (
     trim_prompt_ids,
 )
 from serving.http import HTTPProblem, field as body_field
+from streams.join import kept_token_count
 
 MAX_STOP_WORDS = 32
 
@@ -73,19 +73,6 @@ def sampling_temperature(requested: float | None, settings: Settings) -> float:
     if requested is None or requested < settings.min_temperature:
         return settings.default_temperature
     return requested
-
-
-def kept_token_count(token_text_ends: list[int], shown_chars: int) -> int:
-    """How many of a completion's generated tokens its episode trains on: those whose text lies within the
-    ``shown_chars`` characters the user was shown, plus the one token that ended them (the end of
-    sequence, or the token a stop string, a hold-back or the client's leaving cut into).
-
-    ``token_text_ends[i]``: where token i's text ends in the generated text (non-decreasing: a token whose
-    text is still incomplete — half a UTF-8 character — ends where the one before it did). Tokens after
-    the ending one were never seen, so their reward says nothing about them.
-    """
-    within = bisect.bisect_right(token_text_ends, shown_chars)
-    return min(within + 1, len(token_text_ends))
 
 
 def parse_completion_request(body, settings: Settings) -> CompletionParams:
@@ -272,6 +259,7 @@ class CompletionRun:
         # The episode trains on what the user saw plus the token that ended it, not on tokens generated
         # past a stop, held back and never sent, or read by a client that had already gone.
         kept = kept_token_count(self.token_text_ends, len(self.text))
+        ends = self.token_text_ends[:kept]
         return new_event(
             "CompletionServed", completion_id=self.completion_id, project_id=self.project_id,
             user_id=self.user_id, model=self.engine.model_name,
@@ -280,7 +268,7 @@ class CompletionRun:
             prompt_sha256=hashlib.sha256(self.params.client_prompt.encode()).hexdigest(),
             prefix=parsed.prefix, suffix=parsed.suffix, filepath=parsed.filepath,
             completion_text=self.text, completion_token_ids=self.token_ids[:kept],
-            completion_logprobs=self.logprobs[:kept],
+            completion_logprobs=self.logprobs[:kept], completion_token_ends=ends,
             finish_reason=self.finish_reason or "abort", aborted=self.aborted,
             temperature=self.params.temperature, top_p=self.params.top_p, max_tokens=self.params.max_tokens,
             requested_temperature=self.params.requested_temperature,

@@ -21,6 +21,7 @@ Episode ids are derived from what they join, so a re-run produces the same ids.
 
 from __future__ import annotations
 
+import bisect
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -71,6 +72,37 @@ def shows_nothing(completion: dict) -> bool:
     to nothing) with no text, or only whitespace, which IDEs don't show (Continue trims it). A client that
     went away before anything was shown (``aborted``) is not the model's choice, so it is not one."""
     return not completion.get("aborted") and not completion["completion_text"].strip()
+
+
+def kept_token_count(token_text_ends: list[int], shown_chars: int) -> int:
+    """How many of a completion's generated tokens its episode trains on: those whose text lies within the
+    ``shown_chars`` characters the user was shown, plus the one token that ended them (the end of
+    sequence, or the token a stop string, a hold-back or the client's leaving cut into).
+
+    ``token_text_ends[i]``: where token i's text ends in the generated text (non-decreasing: a token whose
+    text is still incomplete — half a UTF-8 character — ends where the one before it did). Tokens after
+    the ending one were never seen, so their reward says nothing about them.
+    """
+    within = bisect.bisect_right(token_text_ends, shown_chars)
+    return min(within + 1, len(token_text_ends))
+
+
+def shown_part(completion: dict, shown: str | None) -> tuple[str, list[int], list[float]]:
+    """(text, token ids, behaviour logprobs) of the completion as the IDE reports it showed it.
+
+    The front door already keeps only what it sent plus the token that ended it; an IDE may show less —
+    Continue's single-line mode shows the first line of what it read and drops the rest — and its
+    feedback says what it showed. Tokens past that (and the one that ended it) were never seen, so the
+    episode is cut there, by the tokens' text ends (``completion_token_ends``). Unknown ends (older
+    events) or a text that does not start with the shown one: the completion as served.
+    """
+    text = completion["completion_text"]
+    ids, logprobs = list(completion["completion_token_ids"]), list(completion["completion_logprobs"])
+    ends = completion.get("completion_token_ends") or []
+    if shown is None or len(shown) >= len(text) or not text.startswith(shown) or len(ends) != len(ids):
+        return text, ids, logprobs
+    kept = kept_token_count(ends, len(shown))
+    return shown, ids[:kept], logprobs[:kept]
 
 
 def _feedback_identity(fb: dict) -> str:
@@ -246,12 +278,14 @@ class EpisodeJoiner:
         source = completion or fb
         spec = self.specs.for_project(source["project_id"])
         outcome = fb["outcome"] if fb else "IGNORED"
-        text = completion["completion_text"] if completion else (fb.get("completion") or "")
+        if completion:
+            text, tokens, logprobs = shown_part(completion, fb.get("completion") if fb else None)
+        else:
+            text, tokens, logprobs = fb.get("completion") or "", [], []
         fraction = None
         if outcome == "PARTIAL" and fb.get("accepted_chars") is not None and text:
             fraction = fb["accepted_chars"] / len(text)
         components = {"acceptance": acceptance_reward(spec, outcome, fraction)}
-        tokens = completion["completion_token_ids"] if completion else []
         n_tokens = self.specs.completion_tokens(spec, tokens, text)  # unmatched: the text's, not none
         completion_id = completion["completion_id"] if completion else f"unmatched-{fb['event_id']}"
         times = [millis(x) for x in ((completion or {}).get("served_at"), (fb or {}).get("received_at")) if x]
@@ -264,8 +298,8 @@ class EpisodeJoiner:
             prompt=(completion or {}).get("prompt") or (fb or {}).get("prompt") or "",
             prompt_token_ids=list((completion or {}).get("prompt_token_ids") or []),
             prompt_sha256=source.get("prompt_sha256"),
-            completion_text=text, completion_token_ids=list(tokens),
-            behaviour_logprobs=list(completion["completion_logprobs"]) if completion else [],
+            completion_text=text, completion_token_ids=tokens,
+            behaviour_logprobs=logprobs,
             # The distribution the behaviour logprobs are of; an unmatched episode has none (its defaults).
             **({"temperature": completion["temperature"], "top_p": completion["top_p"]} if completion else {}),
             outcome=outcome, reward=composite_reward(spec, components, n_tokens),

@@ -118,7 +118,7 @@ def run_completion(engine, body, settings):
 
 
 def test_kept_token_count_by_hand():
-    from serving.completions import kept_token_count
+    from streams.join import kept_token_count
 
     # "x" | "\n" | "\n" | "foo": shown "x" (a stop "\n\n" cut it) → "x" and the "\n" that ended it.
     assert kept_token_count([1, 2, 3, 6], 1) == 2
@@ -141,6 +141,7 @@ def test_event_trains_the_tokens_shown_plus_the_one_that_ended_them(tiny_model, 
     run, event = run_completion(engine, {"prompt": "a = 0\n", "stop": ["\n\n"], "max_tokens": 8}, settings)
     assert event["completion_text"] == run.text == "x = 1"
     assert event["completion_token_ids"] == [11, 12] and event["completion_logprobs"] == pytest.approx([-0.1, -0.2])
+    assert event["completion_token_ends"] == [5, 6]  # the join can cut further to what the IDE showed
     assert event["finish_reason"] == "stop"
     # Nothing cut: every token, the end-of-sequence token included.
     engine = ScriptedEngine(tok, [(11, "x"), (12, " = 1"), (tok.eos_token_id, "")])

@@ -163,3 +163,23 @@ def test_a_completion_that_shows_nothing_is_an_ignored_episode_at_once():
     # Off: it waits for its TTL like any completion, and IGNORED emits nothing by default.
     eps, counts = run(events[:1] + [("c", completion("late", 10 ** 8, prompt="z"))], JoinConfig(emit_empty=False))
     assert eps == [] and counts["ignored"] == 1
+
+
+def test_the_episode_is_what_the_ide_showed_plus_the_token_that_ended_it():
+    """Continue's single-line mode reads past the first newline (the front door held the newline back until
+    the next token came) and shows only the first line: the feedback says so, and the episode trains on
+    the tokens of that line plus the newline that ended it, not on the second line nobody saw."""
+    served = {**completion("c1", 0, text="x = 1\n    y = 2"), "completion_token_ids": [11, 12, 13, 14],
+              "completion_logprobs": [-0.1, -0.2, -0.3, -0.4], "completion_token_ends": [1, 5, 6, 15]}
+    eps, _ = run([("c", served), ("f", feedback(100, cid="c1", shown="x = 1", prompt=None))])
+    r = eps[0].record
+    assert (r["completion_text"], r["completion_token_ids"], r["behaviour_logprobs"]) == \
+        ("x = 1", [11, 12, 13], [-0.1, -0.2, -0.3])
+    # Shown whole, not reported, or not a prefix of what was served: the completion as served.
+    for shown in ("x = 1\n    y = 2", None, "z"):
+        eps, _ = run([("c", served), ("f", feedback(100, cid="c1", shown=shown, prompt=None))])
+        assert eps[0].record["completion_token_ids"] == [11, 12, 13, 14]
+    # Events from before the front door recorded the tokens' text ends can't be cut: kept whole.
+    old = {k: v for k, v in served.items() if k != "completion_token_ends"}
+    eps, _ = run([("c", old), ("f", feedback(100, cid="c1", shown="x = 1", prompt=None))])
+    assert eps[0].record["completion_token_ids"] == [11, 12, 13, 14]
