@@ -1,7 +1,8 @@
 """Realistic example events, for benchmarks, tests and demos.
 
-Sizes follow what the front door really emits: a ~2 KB FIM prompt, 64
-completion tokens with their logprobs.
+Sizes follow what the front door really emits: a ~2 KB FIM prompt and its
+token ids (about one per 3.5 characters of code), 64 completion tokens with their
+logprobs and text ends.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def fim_prompt(rng: random.Random, size: int = 2048) -> str:
     return f"<|fim_prefix|>{body[:cut]}<|fim_suffix|>{body[cut:]}<|fim_middle|>"
 
 
+def _prompt_ids(rng: random.Random, prompt: str) -> list[int]:
+    return [rng.randrange(151_000) for _ in range(len(prompt) * 2 // 7)]
+
+
 def example_event(type_name: str, i: int = 0, rng: random.Random | None = None, *,
                   prompt_size: int = 2048, tokens: int = 64, projects: int = 3) -> Event:
     rng = rng or random.Random(i)
@@ -35,11 +40,14 @@ def example_event(type_name: str, i: int = 0, rng: random.Random | None = None, 
         return new_event(
             "CompletionServed", completion_id=completion_id, project_id=project, user_id=user,
             model="Qwen/Qwen2.5-Coder-1.5B", policy_version=i % 5, prompt=prompt,
+            prompt_token_ids=_prompt_ids(rng, prompt),
             prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(), prefix=prompt[14:200], suffix=None,
             filepath=f"src/module_{i % 11}.py", completion_text="    return total / window\n",
             completion_token_ids=[rng.randrange(151_000) for _ in range(tokens)],
             completion_logprobs=[-rng.random() * 3 for _ in range(tokens)],
+            completion_token_ends=[min(k, 26) for k in range(1, tokens + 1)],
             finish_reason="stop", aborted=False, temperature=0.2, top_p=0.95, max_tokens=tokens,
+            requested_temperature=0.2,
             ttft_ms=12.5, latency_ms=180.0, replica_id="replica-0",
         )
     if type_name == "FeedbackReceived":
@@ -53,11 +61,14 @@ def example_event(type_name: str, i: int = 0, rng: random.Random | None = None, 
             model_name="qwen2.5-coder", raw_payload='{"accepted": %s}' % str(accepted).lower(),
         )
     if type_name == "Episode":
+        prompt = fim_prompt(rng, prompt_size)
         return new_event(
             "Episode", completion_id=completion_id, project_id=project, user_id=user, policy_version=i % 5,
-            prompt=fim_prompt(rng, prompt_size), completion_text="    return total / window\n",
+            prompt=prompt, prompt_token_ids=_prompt_ids(rng, prompt),
+            prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(), completion_text="    return total / window\n",
             completion_token_ids=[rng.randrange(151_000) for _ in range(tokens)],
-            behaviour_logprobs=[-rng.random() * 3 for _ in range(tokens)], outcome="ACCEPTED",
+            behaviour_logprobs=[-rng.random() * 3 for _ in range(tokens)], temperature=0.2, top_p=0.95,
+            outcome="ACCEPTED",
             reward=0.75, reward_components={"acceptance": 0.75}, scorer="acceptance", matched=True,
         )
     if type_name == "WeightVersion":

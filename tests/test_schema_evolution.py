@@ -100,8 +100,9 @@ def test_episodes_and_completions_written_before_the_sampling_fields_read_with_t
     from schemas.examples import example_event
 
     codec = Codec()
-    for name, version, new in (("Episode", 2, {"prompt_token_ids", "temperature", "top_p"}),
-                               ("CompletionServed", 1, {"prompt_token_ids", "requested_temperature"})):
+    for name, version, new in (("Episode", 2, {"prompt_token_ids", "temperature", "top_p", "prompt_sha256"}),
+                               ("CompletionServed", 1, {"prompt_token_ids", "requested_temperature",
+                                                        "completion_token_ends"})):
         old = fastavro.parse_schema(json.loads((RELEASED_DIR / f"{name}.v{version}.avsc").read_text()))
         record = {k: v for k, v in example_event(name).record.items() if k not in new}
         out = io.BytesIO(SINGLE_OBJECT_MAGIC + schema_fingerprint(old))
@@ -110,6 +111,7 @@ def test_episodes_and_completions_written_before_the_sampling_fields_read_with_t
         read = codec.decode(out.getvalue()).record
         assert read["prompt_token_ids"] == []
         if name == "Episode":
-            assert (read["temperature"], read["top_p"]) == (1.0, 1.0)
+            assert (read["temperature"], read["top_p"], read["prompt_sha256"]) == (1.0, 1.0, None)
         else:
             assert read["requested_temperature"] is None and read["temperature"] == 0.2
+            assert read["completion_token_ends"] == []  # the join then keeps the tokens as served
