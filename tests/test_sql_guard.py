@@ -326,3 +326,15 @@ def test_tabloop_sql_runs_in_the_history_database(server, store, fx, tmp_path):
     assert json.loads(r.output) == {"n": len(fx.feedback)}
     r = CliRunner().invoke(main, ["sql", "SELECT * FROM `file`('/etc/passwd', 'LineAsString')"], env=env)
     assert r.exit_code == 1 and "403: refused: table function file()" in r.output
+
+
+@pytest.mark.parametrize("statement", [
+    "SHOW PROCESSLIST", "SHOW GRANTS", "SHOW COLUMNS FROM feedback", "SHOW ENGINES", "KILL QUERY WHERE 1",
+    "OPTIMIZE TABLE feedback", "CHECK TABLE feedback", "DROP TABLE feedback", "EXISTS DATABASE system",
+    "EXPLAIN EXPLAIN SELECT 1", "EXPLAIN AST EXPLAIN AST SELECT 1", "(SELECT 1)", "SELECT 1 UNION ALL SELECT 2"])
+def test_parsing_a_statement_with_into_outfile_writes_nothing(server, tmp_path, statement):
+    """The guard parses every statement with EXPLAIN AST before refusing it: that parse must not write either."""
+    target = tmp_path / "target.txt"
+    r = post(server, f"{statement} INTO OUTFILE '{target}'")
+    assert r.status_code in (400, 403), r.text  # 400: the engine's parser refused it first
+    assert not target.exists()
