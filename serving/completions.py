@@ -30,7 +30,7 @@ from serving.fim import (
     safe_emit_length,
     trim_prompt_ids,
 )
-from serving.http import HTTPProblem, field as body_field
+from serving.http import MAX_NAME_CHARS, HTTPProblem, field as body_field
 from streams.join import kept_token_count
 
 MAX_STOP_WORDS = 32
@@ -98,6 +98,8 @@ def parse_completion_request(body, settings: Settings) -> CompletionParams:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_WORDS:
         raise HTTPProblem(400, f"'stop' must be a string or a list of at most {MAX_STOP_WORDS} strings", param="stop")
+    if any(len(s) > MAX_NAME_CHARS for s in stop):
+        raise HTTPProblem(400, f"each 'stop' string must be at most {MAX_NAME_CHARS} characters", param="stop")
     n = body_field(body, "n", int, default=1)
     if n != 1:
         raise HTTPProblem(400, "'n' other than 1 is not supported", param="n")
@@ -122,8 +124,8 @@ def parse_completion_request(body, settings: Settings) -> CompletionParams:
         stream=body_field(body, "stream", bool, default=False),
         logprobs=logprobs,
         return_token_ids=body_field(body, "return_token_ids", bool, default=False),
-        user=body_field(body, "user", str),
-        model=body_field(body, "model", str),
+        user=body_field(body, "user", str, max_chars=MAX_NAME_CHARS),
+        model=body_field(body, "model", str, max_chars=MAX_NAME_CHARS),
         seed=seed,
     )
 

@@ -12,10 +12,12 @@ import json
 import math
 
 from schemas.events import Event, new_event
-from serving.http import HTTPProblem, field
+from serving.http import MAX_ID_CHARS, MAX_NAME_CHARS, MAX_PATH_CHARS, HTTPProblem, field
 
-FORK_TEXT_FIELDS = ("completionId", "filepath", "prefix", "suffix", "prompt", "completion", "modelProvider",
-                    "modelName", "uniqueId")
+# The fork's string fields and their length caps (None: text, bounded by the body and event size limits).
+FORK_TEXT_FIELDS = {"completionId": MAX_ID_CHARS, "filepath": MAX_PATH_CHARS, "prefix": None, "suffix": None,
+                    "prompt": None, "completion": None, "modelProvider": MAX_NAME_CHARS,
+                    "modelName": MAX_NAME_CHARS, "uniqueId": MAX_ID_CHARS}
 OUTCOMES = ("ACCEPTED", "REJECTED", "PARTIAL")
 
 
@@ -44,8 +46,8 @@ def _check_object(body) -> dict:
 def _continue_feedback(data: dict, *, where: str, source: str, project_id: str, user_id: str,
                        raw: dict) -> Event:
     """The fields the fork payload and the data: event share."""
-    for name in FORK_TEXT_FIELDS:
-        field(data, name, str, where=where)
+    for name, max_chars in FORK_TEXT_FIELDS.items():
+        field(data, name, str, where=where, max_chars=max_chars)
     accepted = field(data, "accepted", bool, required=True, where=where)
     decision_ms = _millis(field(data, "time", (int, float), where=where), f"{where}time")
     field(data, "numLines", int, where=where)
@@ -75,10 +77,10 @@ def from_continue_data(body, *, project_id: str, user_id: str) -> Event | None:
     (prompt and completion null), counted in analytics, never trained on.
     """
     body = _check_object(body)
-    name = field(body, "name", str, required=True)
+    name = field(body, "name", str, required=True, max_chars=MAX_NAME_CHARS)
     data = field(body, "data", dict, required=True)
-    field(body, "schema", str)
-    field(body, "level", str)
+    field(body, "schema", str, max_chars=MAX_NAME_CHARS)
+    field(body, "level", str, max_chars=MAX_NAME_CHARS)
     if name != "autocomplete":
         return None
     return _continue_feedback(data, where="data.", source="continue-data", project_id=project_id,
@@ -88,9 +90,9 @@ def from_continue_data(body, *, project_id: str, user_id: str) -> Event | None:
 def from_api(body, *, project_id: str, user_id: str) -> Event:
     """``POST /v1/feedback``: ``{completion_id, accepted | outcome, accepted_text?}``."""
     body = _check_object(body)
-    completion_id = field(body, "completion_id", str, required=True)
+    completion_id = field(body, "completion_id", str, required=True, max_chars=MAX_ID_CHARS)
     accepted = field(body, "accepted", bool)
-    outcome = field(body, "outcome", str)
+    outcome = field(body, "outcome", str, max_chars=MAX_NAME_CHARS)
     accepted_text = field(body, "accepted_text", str)
     if outcome is not None:
         outcome = outcome.upper()

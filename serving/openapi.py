@@ -11,6 +11,11 @@ from __future__ import annotations
 from infra.settings import Settings
 from serving.completions import MAX_STOP_WORDS
 from serving.feedback import OUTCOMES
+from serving.http import MAX_ID_CHARS, MAX_JSON_DEPTH, MAX_NAME_CHARS, MAX_PATH_CHARS
+
+ID = {"type": "string", "maxLength": MAX_ID_CHARS}
+NAME = {"type": "string", "maxLength": MAX_NAME_CHARS}
+PATH = {"type": "string", "maxLength": MAX_PATH_CHARS}
 
 ERROR = {
     "type": "object", "required": ["error"],
@@ -25,10 +30,14 @@ def _error(description: str) -> dict:
 
 
 REFUSALS = {
-    "400": _error("the body is not JSON or a field is missing or wrong; `error.param` names it"),
+    "400": _error("the body is not JSON, nests deeper than "
+                  f"{MAX_JSON_DEPTH} levels, has a string that is not Unicode text (a lone surrogate), or a "
+                  "field is missing, wrong or too long; `error.param` names it"),
+    "408": _error("the body did not all arrive within TABLOOP_BODY_TIMEOUT_S"),
     "401": _error("no API key, or an unknown or revoked one"),
     "403": _error("X-Project-ID names a project the key does not belong to"),
-    "413": _error("the body is over TABLOOP_MAX_BODY_BYTES"),
+    "413": _error("the body is over TABLOOP_MAX_BODY_BYTES, or the event it makes would be over what one "
+                  "Kafka message holds"),
     "429": _error("the key's rate limit; Retry-After says when to retry"),
 }
 
@@ -60,28 +69,27 @@ COMPLETION_REQUEST = {
                    "description": "the exact text (Continue builds the FIM prompt itself); prompts over "
                                   "TABLOOP_MAX_PROMPT_TOKENS lose the top of their prefix"},
         "suffix": {"type": "string", "description": "text after the cursor: the FIM prompt is built here"},
-        "model": {"type": "string"},
+        "model": NAME,
         "max_tokens": {"type": "integer", "minimum": 1, "default": 16,
                        "description": "capped at TABLOOP_MAX_NEW_TOKENS"},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
         "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "default": 1},
-        "stop": {"oneOf": [{"type": "string"},
-                           {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_WORDS}]},
+        "stop": {"oneOf": [NAME, {"type": "array", "items": NAME, "maxItems": MAX_STOP_WORDS}]},
         "n": {"type": "integer", "enum": [1]},
         "echo": {"type": "boolean", "enum": [False]},
         "logprobs": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"type": "boolean"}]},
         "seed": {"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1},
         "stream": {"type": "boolean", "default": False},
         "return_token_ids": {"type": "boolean", "default": False},
-        "user": {"type": "string"},
+        "user": NAME,
     },
 }
 
 FORK_FIELDS = {
-    "completionId": {"type": "string", "description": "Continue's own uuid for the suggestion"},
-    "filepath": {"type": "string"}, "prefix": {"type": "string"}, "suffix": {"type": "string"},
+    "completionId": {**ID, "description": "Continue's own uuid for the suggestion"},
+    "filepath": PATH, "prefix": {"type": "string"}, "suffix": {"type": "string"},
     "prompt": {"type": "string"}, "completion": {"type": "string", "description": "the text as the IDE showed it"},
-    "modelProvider": {"type": "string"}, "modelName": {"type": "string"}, "uniqueId": {"type": "string"},
+    "modelProvider": NAME, "modelName": NAME, "uniqueId": ID,
     "accepted": {"type": "boolean"}, "time": {"type": "number", "minimum": 0, "maximum": 2**63 - 1,
              "description": "ms from showing to the decision"},
     "numLines": {"type": "integer"}, "cacheHit": {"type": "boolean"}, "timestamp": {"type": "string"},
@@ -92,9 +100,9 @@ CONTINUE_EVENT = {
     "type": "object", "required": ["name", "data"], "additionalProperties": True,
     "description": "stock Continue's `data:` destination; events other than autocomplete are acknowledged and "
                    "ignored",
-    "properties": {"name": {"type": "string"}, "data": {"type": "object", "additionalProperties": True,
-                                                        "properties": FORK_FIELDS},
-                   "schema": {"type": "string"}, "level": {"type": "string"}, "profileId": {"type": "string"}},
+    "properties": {"name": NAME, "data": {"type": "object", "additionalProperties": True,
+                                          "properties": FORK_FIELDS},
+                   "schema": NAME, "level": NAME, "profileId": {"type": "string"}},
 }
 
 def _outcomes(*names: str) -> dict:
@@ -105,7 +113,7 @@ API_FEEDBACK = {
     "type": "object", "required": ["completion_id"], "additionalProperties": True,
     "description": "our own feedback on one of our completion ids: `accepted`, or `outcome` (PARTIAL with "
                    "`accepted_text`, the part kept), or both when they agree",
-    "properties": {"completion_id": {"type": "string"}, "accepted": {"type": "boolean"},
+    "properties": {"completion_id": ID, "accepted": {"type": "boolean"},
                    "outcome": _outcomes(*OUTCOMES), "accepted_text": {"type": "string"},
                    "time_to_decision_ms": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}},
     "oneOf": [
