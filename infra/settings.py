@@ -63,6 +63,10 @@ class Settings(BaseModel):
     auth: Literal["keys", "open"] = Field("keys", description="keys: Bearer API keys; open: no auth, localhost only")
     rate_limit_per_minute: int = Field(600, ge=1, description="requests per minute per API key (default)")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="larger request bodies get 413")
+    header_timeout_s: float = Field(10.0, gt=0, le=600, description="a connection whose request line and headers "
+                                    "have not all come this long after it opened (or its first byte) is closed")
+    body_timeout_s: float = Field(30.0, gt=0, le=3600, description="a request body not all received this long "
+                                  "after its headers gets 408")
     ack_timeout_s: float = Field(5.0, gt=0, le=120, description="wait for Kafka before spooling feedback")
     replica_id: str = Field("", description="name of this serving replica in events (default: host-pid)")
 
