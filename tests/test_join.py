@@ -22,8 +22,8 @@ def sha(text: str) -> str:
 
 def completion(cid: str, ms: int, text: str = "return x\n", prompt: str = "p", user: str = "u",
                aborted: bool = False) -> dict:
-    return {"aborted": aborted, "completion_id": cid, "served_at": at(ms), "project_id": "acme", "user_id": user, "prompt": prompt,
-            "prompt_sha256": sha(prompt), "completion_text": text, "completion_token_ids": [1, 2, 3],
+    return {"aborted": aborted, "completion_id": cid, "served_at": at(ms), "project_id": "acme", "user_id": user,
+            "prompt": prompt, "prompt_sha256": sha(prompt), "completion_text": text, "completion_token_ids": [1, 2, 3],
             "completion_logprobs": [-0.1, -0.2, -0.3], "policy_version": 4, "temperature": 0.7, "top_p": 0.95,
             "prompt_token_ids": [7, 8, 9]}
 
