@@ -24,6 +24,9 @@ from schemas.topics import CATALOG, Topic
 
 log = logging.getLogger("tabloop.bus")
 EVENT_ID_HEADER = "event_id"
+PRODUCER_MESSAGE_MAX_BYTES = 1_000_000
+"""librdkafka's message.max.bytes (its default, made explicit): under the topics' max.message.bytes
+(schemas.topics.MAX_MESSAGE_BYTES) by room for one record batch's framing and lz4's worst case."""
 REPEAT_WINDOW_S = 30.0
 
 
@@ -120,6 +123,9 @@ class EventProducer:
             "enable.idempotence": True,
             "linger.ms": 5,
             "compression.type": "lz4",
+            # librdkafka refuses a bigger message at produce(); a batch can pass this by one message's
+            # framing, and lz4 can grow incompressible data a little: the topics' limit leaves room for both.
+            "message.max.bytes": PRODUCER_MESSAGE_MAX_BYTES,
             "batch.size": 1_000_000,
             "queue.buffering.max.messages": 500_000,
             "queue.buffering.max.kbytes": 1_048_576,
@@ -129,6 +135,8 @@ class EventProducer:
             **(overrides or {}),
         }
         self._producer = Producer(conf)
+        self.message_max_bytes = int(conf["message.max.bytes"])
+        """The most one message (value, key and headers, with their framing) may take."""
         self._failures: list[str] = []
         self._failure_count = 0
         self._failure_lock = threading.Lock()  # reports arrive on the poller and on flush()

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KEEP_FOREVER = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}
-COMPACTED = {"cleanup.policy": "compact", "min.compaction.lag.ms": "60000"}
+MAX_MESSAGE_BYTES = 1_048_576
+"""The largest record batch a tabloop topic takes (Kafka's ``max.message.bytes``), set on every topic so a
+broker's own default does not decide. Producers keep each message well under it (infra/bus.py), and the
+front door refuses a request whose event would not fit (serving/publisher.py), so no event it
+acknowledged can be refused here."""
+_SIZE = {"max.message.bytes": str(MAX_MESSAGE_BYTES)}
+KEEP_FOREVER = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1", **_SIZE}
+COMPACTED = {"cleanup.policy": "compact", "min.compaction.lag.ms": "60000", **_SIZE}
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,17 @@ from starlette.routing import Route
 
 from infra.settings import Settings
 from serving import feedback, openapi
-from serving.auth import KeyStore, Principal, RateLimiter
+from serving.auth import MAX_NAME, KeyStore, Principal, RateLimiter
 from serving.completions import CompletionRun, parse_completion_request
 from serving.engines.base import Engine
-from serving.http import HTTPProblem, SSEResponse, read_json
-from serving.publisher import EventPublisher
+from serving.http import HTTPProblem, SSEResponse, check_length, read_json
+from serving.publisher import EventPublisher, EventTooLarge
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 SERVED_TO_REMEMBERED = 100_000
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LOGPROB_BYTES = 8  # an Avro double
+TOKEN_ID_BYTES = 5  # an Avro int: a zig-zag varint of at most 5 bytes
 
 
 class Metrics:
@@ -64,13 +66,17 @@ class FrontDoor:
         # completion id -> project, for the completions this replica served lately: feedback from another
         # project naming one of them is refused here (the streams join refuses it for every replica).
         self.served_to: OrderedDict[str, str] = OrderedDict()
+        self._longest_token_chars: int | None = None
 
     # -- auth -----------------------------------------------------------------------
 
     def authenticate(self, request: Request) -> Principal:
         claimed = request.headers.get("x-project-id")
         if self.settings.auth == "open":
-            caller = Principal("open", claimed or "local", request.headers.get("x-user-id") or "local", None)
+            # The headers name the project and user in events: capped like names in the key store.
+            project = check_length(claimed or "local", "X-Project-ID", MAX_NAME)
+            user = check_length(request.headers.get("x-user-id") or "local", "X-User-ID", MAX_NAME)
+            caller = Principal("open", project, user, None)
         else:
             presented = _presented_key(request)
             if not presented:
@@ -92,9 +98,10 @@ class FrontDoor:
 
     async def completions(self, request: Request) -> Response:
         caller = self.authenticate(request)
-        params = parse_completion_request(await read_json(request, self.settings.max_body_bytes), self.settings)
+        params = parse_completion_request(await self._body(request), self.settings)
         run = CompletionRun(params, self.engine, self.settings, caller.project_id, caller.user_id, self.replica_id)
         run.prepare()  # a prompt we can't serve is a 400 now, not a broken stream later
+        self._check_event_fits(run)
 
         def headers() -> dict[str, str]:
             # Known once the first token exists: a request runs start to end on one version.
@@ -116,6 +123,31 @@ class FrontDoor:
                 self._record(run)
 
         return SSEResponse(payloads(), headers=headers)
+
+    def _check_event_fits(self, run: CompletionRun) -> None:
+        """413 now, before any token, when the CompletionServed event this run ends with could exceed what
+        one Kafka message holds: answering 200 and then losing the event would lose the feedback's episode.
+
+        The event is built as it stands (prompt, prefix, suffix: everything but the completion) and given
+        room for the longest completion the run may produce: ``max_tokens`` (+1 for a text-only last step)
+        tokens of the tokenizer's longest token, at 4 bytes a character, with their id and logprob."""
+        per_token = 4 * self._longest_token() + TOKEN_ID_BYTES + LOGPROB_BYTES
+        completion_room = (run.params.max_tokens + 1) * per_token
+        spare = self.publisher.room(run.event()) - completion_room
+        if spare < 0:
+            raise HTTPProblem(413, f"this prompt is {-spare} bytes too long to serve: its CompletionServed event, "
+                                   f"with room for {run.params.max_tokens} tokens of completion, would be over the "
+                                   f"{self.publisher.producer.message_max_bytes}-byte Kafka message limit",
+                              param="prompt")
+
+    def _longest_token(self) -> int:
+        """Characters in the tokenizer's longest token (the same for every weight version)."""
+        if self._longest_token_chars is None:
+            self._longest_token_chars = max(map(len, self.engine.tokenizer.get_vocab()), default=1)
+        return self._longest_token_chars
+
+    async def _body(self, request: Request):
+        return await read_json(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
 
     def _record(self, run: CompletionRun) -> None:
         """Metrics and the CompletionServed event, off the latency path."""
@@ -143,7 +175,7 @@ class FrontDoor:
 
     async def _ingest(self, request: Request, parse) -> Response:
         caller = self.authenticate(request)
-        body = await read_json(request, self.settings.max_body_bytes)
+        body = await self._body(request)
         event = parse(body, project_id=caller.project_id, user_id=caller.user_id)
         if event is None:  # a data: event that is not about autocomplete
             return JSONResponse({"event_id": None, "ignored": body.get("name")}, status_code=202)
@@ -151,7 +183,10 @@ class FrontDoor:
         if owner is not None and owner != caller.project_id:
             raise HTTPProblem(403, f"completion {event.record['completion_id']!r} was not served to project "
                                    f"{caller.project_id!r}", kind="permission_error", param="completion_id")
-        where = await self.publisher.publish_durably(event)
+        try:
+            where = await self.publisher.publish_durably(event)
+        except EventTooLarge as exc:
+            raise HTTPProblem(413, f"feedback too large to store: {exc}") from None
         self.metrics.feedback.labels(event.record["source"]).inc()
         self.metrics.events.labels("feedback").inc()
         return JSONResponse({"event_id": event.event_id, "stored": where}, status_code=202)

@@ -31,6 +31,19 @@ from serving.spool import Spool, SpoolRecord
 log = logging.getLogger("tabloop.publisher")
 REPLAY_BATCH = 5000
 SCAN_SLACK_MS = 60_000  # producers' clocks and event times vs. Kafka's timestamps
+RECORD_FRAMING_BYTES = 64
+"""What librdkafka adds to a message's key, value and headers when it checks message.max.bytes (at most
+~40 bytes of varints and attributes in record format v2), rounded up."""
+
+
+class EventTooLarge(ValueError):
+    """An event bigger than Kafka takes as one message: refused before anything is acknowledged, since
+    neither Kafka nor the spool's replay could ever deliver it."""
+
+    def __init__(self, event: Event, size: int, limit: int):
+        super().__init__(f"its {event.type} event would be {size} bytes, over the {limit}-byte limit of one "
+                         f"message on {event.topic}")
+        self.size, self.limit = size, limit
 
 
 class EventPublisher:
@@ -61,9 +74,26 @@ class EventPublisher:
         """Queue an event for Kafka; never blocks."""
         self._queue.put(event)
 
+    def room(self, event: Event, value: bytes | None = None) -> int:
+        """Bytes to spare before ``event`` (encoded: ``value``) is too large for one Kafka message; < 0: over."""
+        value = self.codec.encode(event) if value is None else value
+        size = len(value) + len(event.key.encode()) + len(EVENT_ID_HEADER) + len(event.event_id.encode())
+        return self.producer.message_max_bytes - RECORD_FRAMING_BYTES - size
+
+    def check_fits(self, event: Event, value: bytes | None = None) -> bytes:
+        """The encoded event, or EventTooLarge when Kafka would refuse it."""
+        value = self.codec.encode(event) if value is None else value
+        room = self.room(event, value)
+        if room < 0:
+            limit = self.producer.message_max_bytes - RECORD_FRAMING_BYTES
+            raise EventTooLarge(event, limit - room, limit)
+        return value
+
     async def publish_durably(self, event: Event) -> str:
-        """Return once the event is on Kafka (acks=all) or fsync'd in the spool; 'kafka' or 'spool'."""
-        value = self.codec.encode(event)
+        """Return once the event is on Kafka (acks=all) or fsync'd in the spool; 'kafka' or 'spool'.
+
+        Raises EventTooLarge, before storing anything, for an event no Kafka message could hold."""
+        value = self.check_fits(event)
         loop = asyncio.get_running_loop()
         acked: asyncio.Future = loop.create_future()
 
@@ -108,7 +138,12 @@ class EventPublisher:
             if event is None:
                 return
             try:
-                value = self.codec.encode(event)
+                value = self.check_fits(event)
+            except EventTooLarge as exc:
+                # The front door refuses requests whose event could not fit (FrontDoor.completions), so
+                # this is a bug; spooling it would block the spool's replay forever.
+                log.error("dropping %s %s: %s", event.type, event.event_id, exc)
+                continue
             except Exception:
                 log.exception("dropping an event that does not fit its schema: %s", event.type)
                 continue
