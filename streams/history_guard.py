@@ -109,8 +109,6 @@ class Reader:
         self.max_result_bytes = limits.max_result_bytes
         self.table_functions = {r[0].lower() for r in client.query(
             "SELECT name FROM system.table_functions").result_rows} - _SCALAR_TOO
-        self.other_databases = {r[0] for r in client.query("SELECT name FROM system.databases").result_rows
-                                } - {database}
 
     def canonical(self, sql: str) -> tuple[str, str]:
         """The one statement in ``sql`` as the engine formats it and its kind (the root node of its AST),
@@ -132,7 +130,9 @@ class Reader:
             if "READONLY" in str(exc):  # the session's readonly refused a SETTINGS clause while parsing
                 raise NotReadOnly("SETTINGS clauses are not allowed: the caps are fixed") from None
             raise
-        return text, check_tree(tree, text, self.database, self.table_functions, self.other_databases)
+        # Asked each time: a database made after this reader must count as outside too.
+        others = {r[0] for r in self.client.query("SELECT name FROM system.databases").result_rows} - {self.database}
+        return text, check_tree(tree, text, self.database, self.table_functions, others)
 
     def query(self, sql: str) -> tuple[list[str], list[str], list[list[Any]]]:
         """Columns, their types and the rows of the checked query, capped in bytes as the blocks arrive:

@@ -38,6 +38,9 @@ def store(fx):
 
 @pytest.fixture(scope="module")
 def server(store):
+    store.query("SELECT 1")  # the readers exist before the database below is made
+    store.command("CREATE DATABASE IF NOT EXISTS t_later")
+    store.command("CREATE TABLE IF NOT EXISTS t_later.feedback (x UInt8) ENGINE = Memory")
     srv = HistoryServer(store, TOKEN, "127.0.0.1", 0).start()
     for _ in range(100):
         try:
@@ -174,7 +177,8 @@ def test_into_outfile_is_refused_on_every_allowed_statement(server, tmp_path, st
     ("EXPLAIN PIPELINE graph = 1 SELECT 1", "SETTINGS"), ("SELECT 1 FORMAT JSON", ""),
     ("SELECT * FROM system.one", "outside the history"), ("SELECT * FROM `system`.`one`", "outside the history"),
     ("SELECT * FROM numbers(3)", "table function numbers()"), ("SELECT * FROM system.numbers", "outside"),
-    ("SELECT 1 WHERE 1 IN system.one", "outside the history"), ("SHOW TABLES FROM system", "history database"),
+    ("SELECT 1 WHERE 1 IN system.one", "outside the history"), ("SELECT 1 IN t_later.feedback", "outside the history"),
+    ("SHOW TABLES FROM system", "history database"),
     ("SHOW CREATE TABLE system.one", "outside the history"), ("EXISTS system.one", "outside the history"),
     ("DESCRIBE system.one", "outside the history"), ("SELECT dictGet('d', 'a', 1)", "dictGet"),
     ("SELECT joinGet('system.j', 'a', 1)", "joinGet"), ("EXPLAIN TABLE OVERRIDE mysql('h', 'd', 't', 'u', 'p') "
