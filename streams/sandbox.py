@@ -41,37 +41,47 @@ left running, not even a grandchild of a ``fork()`` that left the process
 group, and finally ``killpg`` the group for good measure. No ``preexec_fn``:
 it is not safe in a process with threads, and the scorer has them.
 
-How a program passes: it exits 0 *and* the sandbox's harness says its end was
-reached. The harness (``_HARNESS``, run with ``python -c``) compiles the program
-and the tests as two units (so no completion can swallow the tests into a string
-literal), reads a per-run nonce from a pipe and closes it, seals the process
+How a program passes: it exits 0 *and* the sandbox's harness says the tests
+ran to their end. The harness (``_HARNESS``, run with ``python -c``) compiles
+the program and the tests as two units (so no completion can swallow the tests
+into a string literal) before any of it runs; starts a *verdict thread* that
+reads the per-run nonce from a pipe and closes it; seals the process
 (``PR_SET_DUMPABLE`` 0: /proc/self/mem and /proc/self/environ become root's,
-closed to it), installs an audit hook, runs the program, restores the builtins
-it may have patched, runs the tests, and then raises an audit event from its own
-frame. Only that event, raised from that very frame, makes the hook write the
-nonce to the result pipe; the supervisor wants exactly the nonce there. The nonce
-is in no file, argument, environment variable or inherited fd the program can
-read, and never in a frame it can walk to: it lives only in the hook's closure,
-which the hook keeps out of reach by refusing, for the rest of the run,
-``gc.get_objects``/``get_referrers``/``get_referents``, ``sys._current_frames``,
-``sys.settrace``/``setprofile`` (a trace function could jump over the tests),
-``sys.addaudithook`` and anything ``ctypes``. So printing or writing a token,
+closed to it); installs an audit hook; runs the program; restores the builtins
+it may have patched; runs the tests; and, on its last line, wakes the verdict
+thread, which writes the nonce to the result pipe only if the harness's frame
+stands on that line. The supervisor wants exactly the nonce there. The nonce is
+in no file, argument, environment variable or inherited fd, and in no frame the
+program can reach: Python signal handlers (which get the frame they interrupt)
+run only in the main thread, the hook refuses ``sys._current_frames``,
+``gc.get_objects``/``get_referrers``/``get_referents``, ``sys.settrace``/
+``setprofile`` (a trace function could jump over the tests),
+``sys.addaudithook`` and anything ``ctypes``, and the thread allocates nothing
+the collector tracks while the program runs (on 3.11 a collection, and the
+program's finalizers, run in the allocating thread). The program can wake the
+thread early (its lock is in the harness's frame): the thread then sees the
+harness on another line and writes nothing. So printing or writing a token,
 ``sys.exit(0)``/``os._exit(0)``/``exit()`` before or during the tests, an
-``atexit`` handler, reading the program's own file, /proc/self or its fds, and
-patching builtins the tests use all fail. ``must_reach_end=False`` (test code
-that ends in ``unittest.main()``, which exits on purpose) gives this up: exit
-status 0 passes.
+``atexit`` handler, reading the program's own file, /proc/self, its fds or its
+memory, waking the verdict thread, and patching builtins the tests use all
+fail. ``must_reach_end=False`` (test code that ends in ``unittest.main()``,
+which exits on purpose) gives this up: exit status 0 passes.
 
-What in-process checks cannot give: the program's functions run inside the
-tests, with the tests' frames above them. A completion can still defeat the
-*meaning* of the tests: return objects equal to everything, shadow a name the
-tests use (module globals are the program's), patch a module the tests call
-(``math.isclose``), or read the expected values from the caller's frame
-(``sys._getframe`` stays allowed: ``typing``, ``logging`` and ``enum`` need it).
-And Python code the program arranges to run *inside the hook* while it writes
-the verdict (a signal handler, a finalizer during a collection) or a memory-
-safety bug in CPython could reach the nonce. Those are not preventable while the
-tests and the candidate share an interpreter.
+What this cannot give while the tests and the program share an interpreter:
+the program's code runs again during the tests, every time they call it and
+through whatever it left behind (a thread, a signal handler, a finalizer, a
+replaced ``sys.stdout`` or module, an import hook), and such code can defeat
+the *meaning* of the tests: return objects equal to everything, patch what the
+tests call next (``math.isclose``, a builtin, a test helper in the module's
+globals; e.g. a thread that rebinds ``check`` to a no-op wins when the tests
+make a call between defining and using it), or read the expected values from
+the caller's frame (``sys._getframe`` stays allowed: ``typing``, ``logging``
+and ``enum`` need it). A pass means the harness's own code got past the tests'
+last line; only a second interpreter for the tests, calling the program over a
+pipe with plain data, would make it mean the tests' verdict. On Python 3.12+
+(collections run in any thread), a program that wakes the verdict thread early
+and has a finalizer ready for the moment it wakes might read the nonce; a
+memory-safety bug in CPython would too.
 
 Runs must not share a uid (RLIMIT_NPROC counts every process of a uid, and a
 uid can signal its own processes): as root each run takes a uid of its own from
@@ -653,8 +663,12 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 # and the hook touches no object the program made (an argument's __eq__ would run the program's code
 # inside the hook, where the nonce is). Keep it small; the module docstring says what it guarantees.
 _HARNESS = r"""
-def _tabloop_sandbox_hook(nonce_fd, result_fd, end_frame, end_line, end_event):
-    import os, sys
+def _tabloop_sandbox_verdict(nonce_fd, result_fd, end_frame, end_line, ready, go, done):
+    # A thread of its own, so the nonce is in no frame the program can reach: Python signal handlers
+    # (which get the current frame) run only in the main thread; sys._current_frames and gc are
+    # refused; and, once the program runs, this thread allocates nothing the collector tracks, so no
+    # finalizer of the program's runs here (Python 3.11: collections run in the allocating thread).
+    import os
     nonce = b""
     while True:
         chunk = os.read(nonce_fd, 256)
@@ -662,32 +676,27 @@ def _tabloop_sandbox_hook(nonce_fd, result_fd, end_frame, end_line, end_event):
             break
         nonce += chunk
     os.close(nonce_fd)
-    write, close, getframe = os.write, os.close, sys._getframe
-    type_, str_, error = type, str, RuntimeError
-    refused = frozenset(("sys.addaudithook", "sys._current_frames", "sys.settrace", "sys.setprofile",
-                         "gc.get_objects", "gc.get_referrers", "gc.get_referents"))
-    done = []
+    write = os.write
+    ready.release()
+    go.acquire()
+    # Woken by the harness on its last line, past the tests, or by the program (it can reach the lock):
+    # only the harness's frame standing on that line says which.
+    if end_frame.f_lineno == end_line:
+        write(result_fd, nonce)
+    nonce = None
+    done.release()
 
-    def hook(event, args):
-        if type_(event) is not str_:
-            raise error("[sandbox] an audit event that is not a str")
-        if event == end_event:
-            # Only the harness's own frame, on its last line (so past the tests), may say the end was
-            # reached: anywhere else in it, the event could come from a C callback the program set up
-            # (a weakref's functools.partial(sys.audit, …) firing as the harness restores the builtins).
-            caller = getframe(1)
-            if not done and caller is end_frame and caller.f_lineno == end_line:
-                done.append(True)
-                write(result_fd, nonce)
-                close(result_fd)
-            return
-        if event in refused or event.startswith("ctypes."):
-            raise error(f"[sandbox] {event} is not allowed in a sandboxed program")
-        if event == "import":
-            name = args[0]
-            if type_(name) is not str_ or name == "ctypes" or name.startswith("ctypes.") or name == "_ctypes":
-                raise error("[sandbox] importing ctypes is not allowed in a sandboxed program")
-    return hook
+
+def _tabloop_sandbox_hook(event, args, type=type, str=str, RuntimeError=RuntimeError):
+    # Refuses what would reach the verdict thread's frame or rewrite the harness's control flow. It
+    # holds no secret, and binds its builtins now (the program may patch them).
+    if event in ("sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook",
+                 "gc.get_objects", "gc.get_referrers", "gc.get_referents") or event.startswith("ctypes."):
+        raise RuntimeError(f"[sandbox] {event} is not allowed in a sandboxed program")
+    if event == "import":
+        name = args[0]
+        if type(name) is not str or name in ("ctypes", "_ctypes") or name.startswith("ctypes."):
+            raise RuntimeError("[sandbox] importing ctypes is not allowed in a sandboxed program")
 
 
 def _tabloop_sandbox_seal():
@@ -705,7 +714,7 @@ def _tabloop_sandbox_seal():
 
 
 def _tabloop_sandbox_harness():
-    import builtins, sys, types
+    import _thread, builtins, sys, types
     program_path, tests_path, nonce_fd, result_fd = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     # Both read and compiled before any of the program runs, each on its own: the program can't
     # change the tests, nor swallow them (an unclosed string), nor patch open() or compile().
@@ -713,30 +722,37 @@ def _tabloop_sandbox_harness():
         program = compile(f.read(), program_path, "exec", dont_inherit=True)
     with open(tests_path, "rb") as f:
         tests = compile(f.read(), tests_path, "exec", dont_inherit=True)
-    run, audit = exec, sys.audit
+    run = exec  # bound now: the program may replace builtins.exec
     builtins_ns = builtins.__dict__
     original_builtins = dict(builtins_ns)
     clear_builtins, update_builtins = builtins_ns.clear, builtins_ns.update
+    ready, go, done = _thread.allocate_lock(), _thread.allocate_lock(), _thread.allocate_lock()
+    for lock in (ready, go, done):
+        lock.acquire()
+    _thread.start_new_thread(_tabloop_sandbox_verdict,
+                             (nonce_fd, result_fd, sys._getframe(), END_LINE, ready, go, done))
+    if not ready.acquire(timeout=30):
+        raise RuntimeError("[sandbox] the verdict thread did not start")
     _tabloop_sandbox_seal()
     main = types.ModuleType("__main__")
     namespace = main.__dict__
     namespace.update(__file__=program_path, __builtins__=builtins)
     sys.modules["__main__"] = main
     sys.argv = [program_path]
-    sys.addaudithook(_tabloop_sandbox_hook(nonce_fd, result_fd, sys._getframe(), END_LINE, "tabloop.sandbox.end"))
+    sys.addaudithook(_tabloop_sandbox_hook)
     run(program, namespace)
     clear_builtins()  # the tests see the builtins as they were, whatever the program patched
     update_builtins(original_builtins)
     namespace["__builtins__"] = builtins
     run(tests, namespace)
-    audit("tabloop.sandbox.end")
+    go.release(); done.acquire()  # the end: the verdict thread checks that this is the line we are on
 
 
 _tabloop_sandbox_harness()
 """
-_END_CALL = '    audit("tabloop.sandbox.end")'
-assert _HARNESS.count(_END_CALL) == 1
-_HARNESS = _HARNESS.replace("END_LINE", str(_HARNESS.splitlines().index(_END_CALL) + 1))
+_END_LINE = "    go.release(); done.acquire()  # the end: the verdict thread checks that this is the line we are on"
+assert _HARNESS.count(_END_LINE) == 1
+_HARNESS = _HARNESS.replace("END_LINE", str(_HARNESS.splitlines().index(_END_LINE) + 1), 1)
 
 
 # -- the bootstrap: this file run as a script, as root if we are ---------------------------------

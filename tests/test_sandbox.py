@@ -341,28 +341,56 @@ def test_what_a_program_could_read_holds_no_nonce(known_nonce):
     assert result.passed and result.stdout.endswith("tests ran\n")  # it did run its tests to the end
 
 
-# The harness's own end event, raised by the program; and raised from the harness's frame by a C
-# callback (no Python frame between) while the harness restores the builtins, before the tests.
-RAISE_THE_END = """\
-import os, sys
-sys.audit("tabloop.sandbox.end")
-os._exit(0)
+# The verdict thread's lock is within the program's reach (the harness's frame is above it): it can
+# wake the thread early, itself or from a callback that fires as the harness restores the builtins;
+# then make the process exit 0 when the tests fail.
+WAKE_THE_VERDICT = """\
+import atexit, os, sys
+sys._getframe(1).f_locals['go'].release()
+atexit.register(os._exit, 0)
 """
-END_FROM_A_CALLBACK = """\
-import atexit, builtins, functools, os, sys, weakref
+WAKE_FROM_A_CALLBACK = """\
+import atexit, builtins, sys, weakref
 class Bait:
     pass
 builtins.bait = Bait()  # only the builtins hold it: the harness drops it when it restores them
-ref = weakref.ref(builtins.bait, functools.partial(sys.audit, "tabloop.sandbox.end"))
-atexit.register(os._exit, 0)  # and when the tests fail, leave with 0 anyway
+go = sys._getframe(1).f_locals['go']
+ref = weakref.ref(builtins.bait, lambda _: go.release())
+atexit.register(__import__('os')._exit, 0)
 """
 
 
-@pytest.mark.parametrize("attack", [RAISE_THE_END, END_FROM_A_CALLBACK], ids=["raise_the_end", "end_from_a_callback"])
-def test_a_program_cannot_raise_the_harness_end(attack):
+@pytest.mark.parametrize("attack", [WAKE_THE_VERDICT, WAKE_FROM_A_CALLBACK], ids=["wake", "wake_from_a_callback"])
+def test_waking_the_verdict_early_fails(attack):
     result = run_tests(attack, tests="assert False, 'the tests'\n")
     assert (result.passed, result.outcome, result.exit_code) == (False, "failed", 0), result
     assert "did not see the tests run to their end" in result.stderr
+
+
+# A signal handler gets the frame it interrupts: it ran inside an audit hook that held the nonce.
+SIGNAL_HANDLER_LOOKS = """\
+import os, signal, sys
+result_fd = int(open('/proc/self/cmdline', 'rb').read().split(b'\\0')[-2])
+def handler(signum, frame):
+    while frame is not None:
+        nonce = frame.f_locals.get('nonce')
+        if nonce:
+            print('found', nonce, flush=True)
+            os.write(result_fd, nonce)
+            os._exit(0)
+        frame = frame.f_back
+signal.signal(signal.SIGALRM, handler)
+signal.setitimer(signal.ITIMER_REAL, 0.0001, 0.0001)
+for _ in range(20000):
+    open(__file__).close()  # an audit event each time: hooks run, and the timer fires in them
+signal.setitimer(signal.ITIMER_REAL, 0)
+"""
+
+
+def test_a_signal_handler_finds_no_nonce(known_nonce):
+    result = run_tests(SIGNAL_HANDLER_LOOKS, tests="assert False, 'the tests'\n", timeout_s=20)
+    assert (result.passed, result.outcome) == (False, "failed"), result
+    assert "found" not in result.stdout and "AssertionError: the tests" in result.stderr
 
 
 def test_a_program_cannot_read_its_own_memory(known_nonce):
