@@ -180,7 +180,7 @@ class SandboxResult:
     timeout), None when it never ran. ``stdout``/``stderr`` are capped: their
     start and end, with a note of what was left out. ``isolation`` names the
     mechanisms this run got: "uid", "user", "mnt", "pid", "net", "ipc",
-    "rlimits".
+    "rlimits"; ``uid`` the uid it ran as (None: it didn't drop to one).
     """
 
     passed: bool
