@@ -33,11 +33,7 @@ def _model(shape: str, settings, device: str, full: bool):
     from trainer.models import load_model, resolve_model_spec
 
     if shape == "tiny":
-        if settings.model == "demo":
-            spec = resolve_model_spec(settings)
-        else:
-            spec = settings.model
-        return load_model(spec, device=device, dtype="float32")
+        return load_model(resolve_model_spec(settings), device=device, dtype="float32")
     # Random weights in the real shape: what matters for speed is the shape, not the values.
     config = Qwen2Config(**QWEN25_CODER_15B)
     dtype = torch.float32 if full or not device.startswith("cuda") else torch.bfloat16

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from serving.fim import earliest_stop, trim_prompt_ids
+from serving.fim import earliest_stop, prompt_format, prompt_token_ids
 from streams.rewards import RewardSpec
 from trainer.metrics import Scored, summarize, user_figures
 from trainer.simulate import CONTINUE_STOPS, UserModel, decision_rows, single_line_mode
@@ -134,10 +134,8 @@ def generate(model, tokenizer, tasks: Sequence[FimTask], *, max_new_tokens: int 
              top_p: float = 1.0, batch_size: int = 8, max_prompt_tokens: int = 2048, seed: int = 0,
              with_context: bool = False, progress: Callable[[int], None] | None = None) -> list[str]:
     """One completion per task (cut as Continue shows it)."""
-    from trainer.models import fim_token_ids
-
-    special = fim_token_ids(tokenizer)
-    special_ids = set(special.values())
+    fmt = prompt_format(tokenizer)  # the served model's prompt format, as the front door renders it
+    stops = tuple(dict.fromkeys([*CONTINUE_STOPS, *fmt.stop_words]))
     budget = min(max_prompt_tokens, getattr(tokenizer, "model_max_length", max_prompt_tokens) or max_prompt_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = next(model.parameters()).device
@@ -146,14 +144,12 @@ def generate(model, tokenizer, tasks: Sequence[FimTask], *, max_new_tokens: int 
     for batch in iter_batches(list(tasks), batch_size):
         rows = []
         for t in batch:
-            ids = tokenizer.encode(t.fim_prompt(with_context=with_context), add_special_tokens=False)
-            rows.append(trim_prompt_ids(ids, budget, special_ids, special.get("<|fim_prefix|>"),
-                                        special.get("<|fim_suffix|>")))
+            rows.append(prompt_token_ids(tokenizer, t.fim_prompt(with_context=with_context), budget, fmt)[0])
         width = max(len(r) for r in rows)
         # Left padding: every row's next token comes right after its own prompt.
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-        stop = _StopWhenDone(tokenizer, width, [single_line_mode(t.prefix) for t in batch], CONTINUE_STOPS)
+        stop = _StopWhenDone(tokenizer, width, [single_line_mode(t.prefix) for t in batch], stops)
         sampling = temperature > 0
         torch.manual_seed(generator_seed)
         generator_seed += 1
@@ -163,7 +159,7 @@ def generate(model, tokenizer, tasks: Sequence[FimTask], *, max_new_tokens: int 
             pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, stopping_criteria=StoppingCriteriaList([stop]))
         for t, row in zip(batch, generated[:, width:]):
             text = tokenizer.decode(row, skip_special_tokens=False)
-            out.append(cut_completion(text, t.prefix))
+            out.append(cut_completion(text, t.prefix, stops))
         if progress:
             progress(len(batch))
     return out

@@ -273,12 +273,12 @@ def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: s
 
 
 def resolve_model(base, model: str) -> str:
-    """``demo``: the demo model of the configured state dir (built there once, then reused); else a path or
-    hub id as given."""
-    from trainer.models import resolve_model_spec
+    """``demo``/``smollm2`` (``NAMED_MODELS``): that model of the configured state dir (built there once, then
+    reused); else a path or hub id as given."""
+    from trainer.models import NAMED_MODELS, resolve_model_spec
 
-    if model == "demo":
-        return resolve_model_spec(base.model_copy(update={"model": "demo"}))
+    if model in NAMED_MODELS:
+        return resolve_model_spec(base.model_copy(update={"model": model}))
     return model
 
 
@@ -460,7 +460,7 @@ def _click():
                   help="How long the simulated users work (default 15; --quick: 2).")
     @click.option("--users", type=click.IntRange(min=1), default=None, help="Simulated users (default 4).")
     @click.option("--model", default="demo", show_default=True,
-                  help="demo (the demo model of the configured state dir, built once), or a model directory.")
+                  help="demo or smollm2 (built once in the configured state dir), or a model directory.")
     @click.option("--heldout", type=click.IntRange(min=1), default=None,
                   help="Held-out tasks evaluated at every version (default 64).")
     @click.option("--train-limit", type=click.IntRange(min=1), default=None,

@@ -341,9 +341,11 @@ def lora_target_modules(model: torch.nn.Module) -> list[str]:
     c_attn/c_proj/c_fc; others are found by elimination: every nn.Linear name except the output head
     (tied to the embeddings in small models: adapting it would adapt the input embeddings too).
     """
+    from transformers.pytorch_utils import Conv1D  # GPT-2's transposed linear layer; peft wraps it too
+
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear) and module is not head}
+             if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head}
     for family in (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                    ("c_attn", "c_proj", "c_fc")):
         found = [n for n in family if n in names]
