@@ -14,21 +14,20 @@ import json
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from infra.settings import Settings
 from schemas.events import Event, new_event
 from serving.engines.base import Engine, GenerationRequest, TokenStep
 from serving.fim import (
-    FIM_PREFIX,
-    FIM_SUFFIX,
     QWEN_STOP_WORDS,
     build_fim_prompt,
     earliest_stop,
     parse_prompt,
+    prompt_format,
+    prompt_token_ids,
     safe_emit_length,
-    trim_prompt_ids,
 )
 from serving.http import MAX_NAME_CHARS, HTTPProblem, field as body_field
 from streams.join import kept_token_count
@@ -164,20 +163,18 @@ class CompletionRun:
     def prepare(self) -> GenerationRequest:
         """Tokenize and trim the prompt; raises HTTPProblem before any response is started."""
         tok = self.engine.tokenizer
-        ids = tok.encode(self.params.model_prompt, add_special_tokens=False)
+        # The served model's own prompt format (its FIM template, or the end of the prefix for a model
+        # without FIM tokens) and its own end tokens as stop words, whatever template the client wrote.
+        fmt = prompt_format(tok)
+        self.params = replace(self.params, stop=tuple(dict.fromkeys([*self.params.stop, *fmt.stop_words])))
+        try:
+            ids, self.prompt_text = prompt_token_ids(tok, self.params.model_prompt, self.settings.max_prompt_tokens,
+                                                     fmt)
+        except ValueError as exc:
+            raise HTTPProblem(400, str(exc), param="prompt") from None
         if not ids:  # the model has nothing to continue (and no BOS token of its own to start from)
-            raise HTTPProblem(400, "'prompt' is empty", param="prompt")
-        if len(ids) > self.settings.max_prompt_tokens:
-            special = set(tok.all_special_ids) | {i for i in tok.convert_tokens_to_ids(list(QWEN_STOP_WORDS))
-                                                  if i is not None}
-            try:
-                ids = trim_prompt_ids(ids, self.settings.max_prompt_tokens, special,
-                                      tok.convert_tokens_to_ids(FIM_PREFIX), tok.convert_tokens_to_ids(FIM_SUFFIX))
-            except ValueError as exc:
-                raise HTTPProblem(400, str(exc), param="prompt") from None
-            self.prompt_text = tok.decode(ids, skip_special_tokens=False)
-        else:
-            self.prompt_text = self.params.model_prompt
+            detail = "" if fmt.fim_tokens else " (the served model has no FIM tokens: it continues the prefix)"
+            raise HTTPProblem(400, f"'prompt' is empty{detail}", param="prompt")
         self.prompt_ids = list(ids) if self.engine.feeds_prompt_ids else []
         self.generation = GenerationRequest(prompt_ids=ids, max_new_tokens=self.params.max_tokens,
                                             temperature=self.params.temperature, top_p=self.params.top_p,
