@@ -138,15 +138,12 @@ def shown_token_count(decoded_prefixes: Sequence[str], *, single_line: bool, sto
 
 
 def prompt_ids(tokenizer, task: FimTask, max_prompt_tokens: int) -> list[int]:
-    """The task's FIM prompt as token ids, trimmed to the budget the way the front door trims it."""
-    from serving.fim import trim_prompt_ids
-    from trainer.models import fim_token_ids
+    """The task's prompt in the model's own format, as token ids trimmed to the budget, as the front door
+    renders and trims it (``serving.fim.prompt_token_ids``)."""
+    from serving.fim import prompt_token_ids
 
-    special = fim_token_ids(tokenizer)
     budget = min(max_prompt_tokens, getattr(tokenizer, "model_max_length", max_prompt_tokens) or max_prompt_tokens)
-    ids = tokenizer.encode(task.fim_prompt(), add_special_tokens=False)
-    return trim_prompt_ids(ids, budget, set(special.values()), special.get("<|fim_prefix|>"),
-                           special.get("<|fim_suffix|>"))
+    return prompt_token_ids(tokenizer, task.fim_prompt(), budget)[0]
 
 
 @dataclass(frozen=True)

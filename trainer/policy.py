@@ -140,11 +140,13 @@ class PolicyTrainer:
         else:
             from peft import LoraConfig, PeftModel, get_peft_model
 
+            from trainer.models import lora_target_modules
+
             if adapter_dir is not None:
                 self.model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
             else:
                 lora = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0,
-                                  target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+                                  target_modules=lora_target_modules(model), task_type="CAUSAL_LM")
                 self.model = get_peft_model(model, lora)
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
