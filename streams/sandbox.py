@@ -81,7 +81,9 @@ last line; only a second interpreter for the tests, calling the program over a
 pipe with plain data, would make it mean the tests' verdict. On Python 3.12+
 (collections run in any thread), a program that wakes the verdict thread early
 and has a finalizer ready for the moment it wakes might read the nonce; a
-memory-safety bug in CPython would too.
+memory-safety bug in CPython would too. Unprivileged (a user namespace, no uid
+to drop to), the program is root of its namespace, which owns a non-dumpable
+process's /proc files: /proc/self/mem stays open to it, and so does the nonce.
 
 Runs must not share a uid (RLIMIT_NPROC counts every process of a uid, and a
 uid can signal its own processes): as root each run takes a uid of its own from
