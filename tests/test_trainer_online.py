@@ -308,3 +308,17 @@ def test_greedy_episodes_are_dropped_and_counted_not_weighed(tiny_model):
     assert drop_reason(_served_episode(tok, temperature=0.01), 0, 4) is None  # older Continue's 0.01 is sampled
     # Feedback on a completion we never served has no sampler: trained on-policy from its text, not "greedy".
     assert drop_reason(_served_episode(tok, completion_token_ids=[], behaviour_logprobs=[], temperature=0.0), 0, 4) is None
+
+
+def test_showing_nothing_is_an_action_the_trainer_trains(tiny_model):
+    """An episode that showed nothing (end of text first, the ``ignored`` reward) is trained on its one token,
+    not dropped as empty: it is how the policy learns when not to show a suggestion."""
+    from trainer.models import load_model
+    from trainer.online import drop_reason, episode_sample
+
+    _, tok = load_model(tiny_model)
+    ep = _served_episode(tok, completion_text="", completion_token_ids=[tok.eos_token_id], behaviour_logprobs=[-0.7],
+                         outcome="IGNORED", reward=0.0, reward_components={"acceptance": 0.0}, temperature=0.7)
+    assert drop_reason(ep, 0, 4) is None
+    s = episode_sample(ep, tok, max_prompt_tokens=2048)
+    assert s.completion_ids == [tok.eos_token_id] and s.behaviour_logprobs == [-0.7] and s.temperature == 0.7
