@@ -28,8 +28,9 @@ from serving.publisher import EventPublisher, EventTooLarge
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 SERVED_TO_REMEMBERED = 100_000
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-LOGPROB_BYTES = 8  # an Avro double
-TOKEN_ID_BYTES = 5  # an Avro int: a zig-zag varint of at most 5 bytes
+PER_TOKEN_FIELD_BYTES = 32
+"""What the event's per-token arrays (ids, logprobs, text ends…) take for one token, rounded up: an Avro
+int or long is a varint of at most 5 or 10 bytes, a double 8."""
 
 
 class Metrics:
@@ -130,8 +131,8 @@ class FrontDoor:
 
         The event is built as it stands (prompt, prefix, suffix: everything but the completion) and given
         room for the longest completion the run may produce: ``max_tokens`` (+1 for a text-only last step)
-        tokens of the tokenizer's longest token, at 4 bytes a character, with their id and logprob."""
-        per_token = 4 * self._longest_token() + TOKEN_ID_BYTES + LOGPROB_BYTES
+        tokens of the tokenizer's longest token, at 4 bytes a character, with their per-token fields."""
+        per_token = 4 * self._longest_token() + PER_TOKEN_FIELD_BYTES
         completion_room = (run.params.max_tokens + 1) * per_token
         spare = self.publisher.room(run.event()) - completion_room
         if spare < 0:
