@@ -29,8 +29,10 @@ from tests.conftest import make_settings
 from trainer.models import ModelLoadError, build_tiny_model, load_model, lora_target_modules
 from trainer.smollm2 import SMOLLM2, PackagedGGUF, build_packaged_model, packaged_marker
 
-QWEN = "<|repo_name|>shop\n<|file_sep|>lib/a.py\nA = 1\n<|file_sep|>app.py\n<|fim_prefix|>import lib\nx = <|fim_suffix|>\nprint(x)<|fim_middle|>"
-STARCODER = "<reponame>shop\n<file_sep>lib/a.py\nA = 1\n<file_sep>app.py\n<fim_prefix>import lib\nx = <fim_suffix>\nprint(x)<fim_middle>"
+QWEN = ("<|repo_name|>shop\n<|file_sep|>lib/a.py\nA = 1\n<|file_sep|>app.py\n"
+        "<|fim_prefix|>import lib\nx = <|fim_suffix|>\nprint(x)<|fim_middle|>")
+STARCODER = ("<reponame>shop\n<file_sep>lib/a.py\nA = 1\n<file_sep>app.py\n"
+             "<fim_prefix>import lib\nx = <fim_suffix>\nprint(x)<fim_middle>")
 
 
 # -- prompts: pure functions -----------------------------------------------------------------------

