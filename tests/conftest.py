@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from infra.kafka_broker import LocalKafka, free_port
@@ -9,6 +12,40 @@ from infra.settings import Settings, load_settings
 
 
 TEST_PARTITIONS = 3
+
+# The drills' total time (`make drills`): CI has 90 minutes and must stay under 60 whatever a regression
+# does, while the drills' own timeouts add up to hours. Once the budget is spent every drill left fails at
+# once, saying so; a drill that starts with less than its own timeout left gets the rest as its timeout.
+# `.ci/run` sets it to what its 60 minutes leave after `make test`.
+DRILL_BUDGET_S = float(os.environ.get("TABLOOP_DRILL_BUDGET_S", 35 * 60))
+DRILL_FLOOR_S = 30  # a drill started with less than this left could not do anything useful
+
+
+_drills_started = pytest.StashKey[float]()
+_budget_spent = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Runs before pytest-timeout reads the test's timeout (its own hookwrapper, which this one wraps)."""
+    if item.get_closest_marker("drill") is not None:
+        started = item.config.stash.setdefault(_drills_started, time.monotonic())
+        left = DRILL_BUDGET_S - (time.monotonic() - started)
+        marker = item.get_closest_marker("timeout")
+        own = (marker.args[0] if marker and marker.args else None) or item.config.getoption("timeout", None) \
+            or item.config.getini("timeout")
+        if left < DRILL_FLOOR_S:
+            item.stash[_budget_spent] = DRILL_BUDGET_S - left
+        elif not own or float(own) > left:
+            item.add_marker(pytest.mark.timeout(int(left)), append=False)
+    yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if _budget_spent in item.stash:
+        pytest.fail(f"not run: the drills' time budget (TABLOOP_DRILL_BUDGET_S={DRILL_BUDGET_S:.0f} s) is spent "
+                    f"({item.stash[_budget_spent]:.0f} s since the first drill started)", pytrace=False)
 
 
 def make_settings(tmp_path, **overrides) -> Settings:
