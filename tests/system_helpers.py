@@ -33,16 +33,69 @@ def row(status: dict, name: str) -> dict:
     return next(r for r in status["components"] if r["component"] == name)
 
 
-def wait(predicate, timeout_s: float, what: str, explain=None):
+def wait(predicate, timeout_s: float, what: str, explain=None, poll_s: float = 0.5):
     """``predicate()`` once it is truthy; AssertionError after ``timeout_s``, with ``explain()`` appended
-    (what a CI log needs to tell why: a status table, the ends of the logs)."""
+    (what a CI log needs to tell why: a status table, the ends of the logs). The one polling loop of the
+    suite: a test waits on the condition it needs, never on a sleep."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}" + (f"\n{explain()}" if explain else ""))
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}"
+                         + (f"\n{explain()}" if explain else ""))
+
+
+def worker_lag(settings, group: str = "tabloop-streams", probes=None) -> int | None:
+    """Records of the event log ``group`` has not committed yet, as ``tabloop status`` counts them (None:
+    nothing committed yet, or the broker did not answer). Asked of a child process, as the supervisor asks
+    (``KafkaProbeProcess``): librdkafka's admin client can segfault in ListConsumerGroupOffsets
+    (rd_kafka_cgrp_op, seen here against a broker just started), which in-process would end the test run."""
+    from infra.supervisor import KafkaProbeProcess
+
+    own = probes is None
+    probes = probes or KafkaProbeProcess(settings)
+    try:
+        return probes.ask("lag", group)
+    finally:
+        if own:
+            probes.close()
+
+
+class Quiet:
+    """A predicate for ``wait`` that also ends once waiting longer cannot help: ``count()`` and the worker's
+    lag have both stood still for ``grace_s`` (at lag 0: it read all its input and published what it had;
+    above 0: it is stuck) — or the worker exited. ``wait`` then returns ``"settled"``, ``"stalled"`` or
+    ``"exited"`` and the caller's own assertion says what is missing, in ``grace_s`` rather than at the end
+    of a long timeout. ``grace_s`` must cover what the worker holds back after reading (open windows)."""
+
+    def __init__(self, settings, count, want: int, grace_s: float, proc=None, group: str = "tabloop-streams"):
+        self.settings, self.count, self.want, self.grace_s, self.proc, self.group = \
+            settings, count, want, grace_s, proc, group
+        self.last, self.since = None, time.monotonic()
+        from infra.supervisor import KafkaProbeProcess
+
+        self.probes = KafkaProbeProcess(settings)
+
+    def close(self) -> None:
+        self.probes.close()
+
+    def __call__(self):
+        n = self.count()
+        if n >= self.want:
+            return "done"
+        if self.proc is not None and self.proc.poll() is not None:
+            return "exited"
+        lag = worker_lag(self.settings, self.group, self.probes)
+        if (n, lag) != self.last:
+            self.last, self.since = (n, lag), time.monotonic()
+            return None
+        if time.monotonic() - self.since > self.grace_s:
+            return "settled" if lag == 0 else "stalled"
+        return None
 
 
 def explain_system(settings, lines: int = 40) -> str:

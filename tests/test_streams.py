@@ -18,7 +18,7 @@ from infra.bus import EventProducer, ensure_topics, read_topic
 from infra.settings import to_environ
 from schemas.events import new_event
 from tests.conftest import make_settings
-from tests.system_helpers import stalled_partitions
+from tests.system_helpers import Quiet, stalled_partitions, wait, worker_lag
 
 # Long runs on a broker of their own (the session broker's topics hold other tests' events, which a
 # worker reading from the earliest offset would join too): `make drills`, not `make test`.
@@ -26,6 +26,10 @@ pytestmark = [pytest.mark.kafka, pytest.mark.drill]
 N_COMPLETIONS = 10_000
 N_FEEDBACK = 10_000
 WINDOW_S, LATENESS_S, IDLE_S = 30, 20, 3
+# What the worker may still hold back once it has read all its input: an open window closes at most a
+# window plus the allowed lateness after its last event, or after IDLE_S of an idle partition. A wait for
+# episodes that has seen nothing new for this long with the worker's lag at 0 knows the rest is missing.
+GRACE_S = WINDOW_S + LATENESS_S + IDLE_S + 10
 
 
 @pytest.fixture
@@ -117,15 +121,23 @@ def start_worker(settings, log_name: str) -> subprocess.Popen:
                             env={**os.environ, **to_environ(settings)})
 
 
-def collect(settings, before: set, want: int, timeout_s: float, proc) -> list:
-    """Poll the episode topic until ``want`` completion ids not in ``before`` have an episode."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
-        new = {e["completion_id"] for e in episodes} - before
-        if len(new) >= want or time.monotonic() > deadline or proc.poll() is not None:
-            return episodes
-        time.sleep(2)
+def collect(settings, before: set, want: int, timeout_s: float, proc, grace_s: float = GRACE_S) -> list:
+    """The episode topic once ``want`` completion ids not in ``before`` have an episode — or, sooner, once
+    more cannot come (the worker exited, or its output and lag stood still for ``grace_s``):
+    the caller's ``check`` then names what is missing. A missing episode costs ``grace_s``, not the timeout."""
+    seen: list = []
+
+    def new_ids() -> int:
+        seen[:] = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+        return len({e["completion_id"] for e in seen} - before)
+
+    quiet = Quiet(settings, new_ids, want, grace_s, proc)
+    try:
+        wait(quiet, timeout_s, f"{want} new episodes", poll_s=2,
+             explain=lambda: f"{new_ids()} new episodes; worker lag {worker_lag(settings)}")
+    finally:
+        quiet.close()
+    return seen
 
 
 def stop(proc) -> None:
@@ -223,22 +235,17 @@ def test_undecodable_input_goes_to_the_dead_letter_topic(kafka, tmp_path):
         raw.produce("tabloop.feedback", b"\xc3\x01not an event at all", key=b"junk")
         raw.produce("tabloop.completions", b'{"json": "is not avro"}', key=b"junk")
         raw.flush(10)
-        deadline = time.monotonic() + 120
-        letters = []
-        while time.monotonic() < deadline and len(letters) < 2:
-            letters = [r.event.record for r in read_topic(settings, "tabloop.deadletter") if r.event
-                       and r.event.record["consumer"] == "tabloop-streams"]
-            time.sleep(1)
+        letters = wait(lambda: (found := [r.event.record for r in read_topic(settings, "tabloop.deadletter")
+                                          if r.event and r.event.record["consumer"] == "tabloop-streams"])
+                       and len(found) >= 2 and found, 120, "two dead letters from the worker")
         # The stream goes on: a good event after the bad ones still becomes an episode.
         good = new_event("FeedbackReceived", project_id="p", user_id="u", source="api", completion_id="cmpl-dl",
                          outcome="ACCEPTED", raw_payload="{}", cache_hit=True)
         with EventProducer(settings) as producer:
             producer.publish(good)
-        episodes = []
-        while time.monotonic() < deadline and not episodes:
-            episodes = [r for r in read_topic(settings, "tabloop.episodes")
-                        if r.event and r.event.record["feedback_event_id"] == good.event_id]
-            time.sleep(1)
+        episodes = wait(lambda: [r for r in read_topic(settings, "tabloop.episodes")
+                                 if r.event and r.event.record["feedback_event_id"] == good.event_id],
+                        120, "the good feedback's episode")
     finally:
         stop(worker)
     by_topic = {d["source_topic"]: d for d in letters}
@@ -285,12 +292,9 @@ def test_judge_and_tests_scores_reach_the_episodes(kafka, tmp_path):
         with EventProducer(settings) as producer:
             for e in events + [cache_hit]:
                 producer.publish(e)
-        got = {}
-        deadline = time.monotonic() + 180
-        while len(got) < 3 and time.monotonic() < deadline:
-            got = {r.event.record["completion_id"]: r.event.record for r in read_topic(settings, "tabloop.episodes")
-                   if r.event}
-            time.sleep(1)
+        got = wait(lambda: len(found := {r.event.record["completion_id"]: r.event.record
+                                         for r in read_topic(settings, "tabloop.episodes") if r.event}) >= 3
+                   and found, 180, "three scored episodes")
     finally:
         stop(worker)
         api.stop()
@@ -332,7 +336,8 @@ def test_kafka_outage_of_thirty_seconds_loses_nothing_and_the_worker_resumes(kaf
                 producer.publish(e)
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
-            collect(settings, before, len(expected), deadline - time.monotonic(), worker)
+            collect(settings, before, len(expected), deadline - time.monotonic(), worker,
+                    grace_s=WINDOW_S + LATENESS_S + idle_s + 10)
             if worker.poll() is None:
                 break
             restarts += 1  # what the supervisor does with a worker that exited

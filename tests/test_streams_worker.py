@@ -1,0 +1,59 @@
+"""The `tabloop streams` worker as a process in `make test` (the long runs are drills in test_streams.py):
+a few hundred completions and feedback events of every kind on a broker of its own, and a record that is no
+event at all. Exactly once by event ids, the dead letter, the acceptance score; the expectations come from
+test_streams.scenario, which works them out from how each event was made, not with streams.join."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from confluent_kafka import Producer
+
+from infra.bus import EventProducer, ensure_topics, read_topic
+from tests.conftest import make_settings
+from tests.system_helpers import wait
+from tests.test_streams import IDLE_S, check, collect, reward, scenario, start_worker, stop
+
+pytestmark = pytest.mark.kafka
+
+GARBAGE = b"\x00\x01 neither Avro nor JSON"
+# Shorter windows than the drills' (the scenario's expired completions are older than either): what the
+# worker holds back at the end is a window plus the lateness, here 7 s.
+WINDOW_S, LATENESS_S = 5, 2
+
+
+@pytest.mark.timeout(240)  # a broker and a worker starting on two shared cores; the run itself is well under that
+def test_a_few_hundred_events_give_each_episode_once_a_dead_letter_and_scores(own_kafka, tmp_path):
+    settings = make_settings(tmp_path, kafka_bootstrap=own_kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
+                             join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
+    ensure_topics(settings)
+    events, expected, kinds = scenario(seed=5, n_completions=300, n_feedback=300)
+    assert kinds["by_id"] and kinds["by_prompt"] and kinds["expired"] and kinds["cache_hit"] and kinds["duplicate"]
+    feedback_ids = {e.event_id for e in events if e.type == "FeedbackReceived"}
+    worker = start_worker(settings, "streams.log")
+    try:
+        raw = Producer({"bootstrap.servers": settings.kafka_bootstrap})
+        raw.produce("tabloop.feedback", GARBAGE, key=b"junk")
+        raw.flush(10)
+        with EventProducer(settings) as producer:
+            for e in events:
+                producer.publish(e)
+        episodes = collect(settings, set(), len(expected), 150, worker, grace_s=WINDOW_S + LATENESS_S + IDLE_S + 10)
+        letters = wait(lambda: [r.event.record for r in read_topic(settings, "tabloop.deadletter")
+                                if r.event and r.event.record["consumer"] == "tabloop-streams"],
+                       60, "the garbage record's dead letter")
+    finally:
+        stop(worker)
+    log = (settings.state_dir / "streams.log").read_text(errors="replace")[-3000:]
+    assert check(episodes, set(), expected) == 0, log  # every expected episode, nothing else, nothing twice
+    # Exactly once by event ids: no episode event twice, no feedback joined into two episodes, and every
+    # episode's feedback one that was published (a duplicate report folds into its first's episode).
+    assert max(Counter(e["event_id"] for e in episodes).values()) == 1
+    joined = [e["feedback_event_id"] for e in episodes]
+    assert len(joined) == len(set(joined)) and set(joined) <= feedback_ids
+    # Scored in the worker: the default spec is acceptance alone, its reward worked out by hand in reward().
+    accepted = [e for e in episodes if e["outcome"] == "ACCEPTED"]
+    assert accepted and all(e["scorer"] == "acceptance" and e["reward_components"] == {"acceptance": reward(
+        "ACCEPTED")} for e in accepted)
+    assert [d["raw"] for d in letters] == [GARBAGE] and letters[0]["source_topic"] == "tabloop.feedback"
