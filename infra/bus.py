@@ -278,16 +278,17 @@ class EventConsumer:
         self._consumer.subscribe(list(topics))
 
     def poll(self, max_messages: int = 500, timeout_s: float = 1.0,
-             errors: list[KafkaError] | None = None) -> list[Received]:
+             errors: list[KafkaError] | None = None, *, decode: bool = True) -> list[Received]:
         """Messages, decoded. A broker error raises, unless ``errors`` is given: then it is appended there
-        and the messages around it are still returned (raising would lose them: the position moved on)."""
+        and the messages around it are still returned (raising would lose them: the position moved on).
+        ``decode=False``: undecoded (event and error None), for a reader that decodes in bulk itself."""
         messages = self._consumer.consume(max_messages, timeout_s)
         out = []
         for m in messages:
             if errors is not None and m.error() is not None and m.error().code() != KafkaError._PARTITION_EOF:
                 errors.append(m.error())
                 continue
-            if (received := decode_message(self.codec, m)) is not None:
+            if (received := decode_message(self.codec, m, decode)) is not None:
                 out.append(received)
         return out
 
@@ -318,14 +319,17 @@ class EventConsumer:
         self.close()
 
 
-def decode_message(codec: Codec, m) -> Received | None:
-    """A Received for a Kafka message; None for partition-EOF notices; raises on broker errors."""
+def decode_message(codec: Codec, m, decode: bool = True) -> Received | None:
+    """A Received for a Kafka message; None for partition-EOF notices; raises on broker errors.
+    ``decode=False`` leaves event and error None (the caller decodes)."""
     err = m.error()
     if err is not None:
         if err.code() == KafkaError._PARTITION_EOF:
             return None
         raise KafkaException(err)
     value = m.value() or b""
+    if not decode:
+        return Received(m.topic(), m.partition(), m.offset(), m.key(), value, None, None)
     try:
         event, error = codec.decode(value), None
     except EventDecodeError as exc:

@@ -143,6 +143,27 @@ class Codec:
 
     # -- decoding -----------------------------------------------------------
 
+    def current_body_offset(self, data: bytes, type_name: str) -> int | None:
+        """Where the Avro body starts when ``data`` carries a ``type_name`` event written with that type's
+        current schema (so its body reads as the current schema with no resolution); None otherwise.
+
+        Looks at the header only: a bulk reader (the history sink hands bodies to ClickHouse) uses it to
+        pick what it may read without decoding here; everything else goes through ``decode``."""
+        if data[:2] == SINGLE_OBJECT_MAGIC:
+            header = self._headers.get(type_name)
+            return SINGLE_OBJECT_HEADER_LEN if header is not None and data[:SINGLE_OBJECT_HEADER_LEN] == header \
+                else None
+        if data[:1] == CONFLUENT_MAGIC and len(data) >= CONFLUENT_HEADER_LEN:
+            writer = self._by_registry_id.get(int.from_bytes(data[1:CONFLUENT_HEADER_LEN], "big"))
+            if writer is None and self.registry is not None:
+                try:
+                    writer = self._registry_writer(int.from_bytes(data[1:CONFLUENT_HEADER_LEN], "big"))
+                except EventDecodeError:
+                    return None
+            if writer is not None and writer.type_name == type_name and writer.reader is None:
+                return CONFLUENT_HEADER_LEN
+        return None
+
     def decode(self, data: bytes) -> Event:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise CorruptEventError(f"expected bytes, got {type(data).__name__}")

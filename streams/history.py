@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Mapping
 from confluent_kafka import KafkaException
 
 from infra.bus import gave_up
+from schemas.codec import EventDecodeError
 from infra.settings import Settings
 from schemas.events import EVENT_TYPES, EventType
 from schemas.topics import CATALOG
@@ -281,6 +282,7 @@ class HistoryStore:
         self.limits = limits or QueryLimits()
         self.readers = ReaderPool(connect or _reader_connect(client), database, self.limits)
         self._columns = {table: [n for n, _ in event_columns(EVENT_TYPES[e])] for table, e in EVENT_FOR_TABLE.items()}
+        self._avro_headers: dict[str, tuple[bytes, list[str]]] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings, client=None) -> "HistoryStore":
@@ -333,6 +335,47 @@ class HistoryStore:
         with self._lock:
             self.client.insert(f"{self.database}.{table}", rows, column_names=names)
 
+    def insert_avro(self, table: str, messages: list[tuple[Any, int]]) -> None:
+        """Insert events as their Avro bodies, read by the engine (C++) instead of decoded here.
+
+        ``messages``: (Received, where its body starts), each written with the table's current schema
+        (``Codec.current_body_offset``). Each becomes one row of an Avro container whose schema is the
+        source columns followed by the event's fields: its bytes are the source columns' encoding and the
+        body unchanged, so nothing is decoded or re-encoded in Python. One container block per message:
+        a body that ends early fails the insert (the engine never reads into the next message's bytes).
+        """
+        if not messages:
+            return
+        header, names = self._avro_header(table)
+        parts = [header]
+        topic_bytes: dict[str, bytes] = {}
+        for r, at in messages:
+            t = topic_bytes.get(r.topic)
+            if t is None:
+                encoded = r.topic.encode()
+                t = topic_bytes[r.topic] = _avro_long(len(encoded)) + encoded
+            source = t + _avro_long(r.partition) + _avro_long(r.offset)
+            body = memoryview(r.value)[at:]
+            parts += (_ONE, _avro_long(len(source) + len(body)), source, body, _SYNC)
+        with self._lock:
+            self.client.raw_insert(f"{self.database}.{table}", names, insert_block=b"".join(parts), fmt="Avro")
+
+    def _avro_header(self, table: str) -> tuple[bytes, list[str]]:
+        cached = self._avro_headers.get(table)
+        if cached is None:
+            import io
+
+            import fastavro
+
+            et = EVENT_TYPES[EVENT_FOR_TABLE[table]]
+            schema = {**et.schema_json, "name": f"{et.name}HistoryRow", "fields": [
+                {"name": "_topic", "type": "string"}, {"name": "_partition", "type": "int"},
+                {"name": "_offset", "type": "long"}, *et.schema_json["fields"]]}
+            out = io.BytesIO()
+            fastavro.writer(out, fastavro.parse_schema(schema), [], sync_marker=_SYNC)  # the header only
+            cached = self._avro_headers[table] = (out.getvalue(), [n for n, _ in SOURCE_COLUMNS] + self._columns[table])
+        return cached
+
     def insert_rejects(self, rows: list[list[Any]]) -> None:
         if rows:
             with self._lock:
@@ -366,6 +409,21 @@ class HistoryStore:
         with self._lock:
             return int(self.client.query(
                 f"SELECT count() FROM {self.database}.{table}{' FINAL' if final else ''}").result_rows[0][0])
+
+
+_SYNC = b"tabloop-history!"  # the container's 16-byte sync marker (any fixed value serves)
+_ONE = b"\x02"  # a block's object count, 1, as an Avro long
+
+
+def _avro_long(n: int) -> bytes:
+    """An Avro int/long: zig-zag, then little-endian base-128."""
+    n = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def _reader_connect(client) -> Callable[[], Any]:
@@ -445,6 +503,9 @@ class HistorySink:
             # Topics made after the sink started are seen within seconds, not librdkafka's 5 minutes.
             overrides={"group.instance.id": f"tabloop-history-{instance.hexdigest()[:16]}",
                        "topic.metadata.refresh.interval.ms": 10_000})
+        # Messages are polled undecoded: those written with their table's current schema go to the engine
+        # as Avro (HistoryStore.insert_avro); only the others (older versions, rejects) are decoded here.
+        self.codec = self.consumer.codec
         self.stats = SinkStats()
         # (topic, partition) → the offset the next message should have, and offsets known stored from there.
         self._expected: dict[tuple[str, int], int] = {}
@@ -457,7 +518,8 @@ class HistorySink:
         while len(batch) < self.batch_size and not (stop and stop.is_set()):
             timeout = 0.5 if first_at is None else max(0.0, first_at + self.batch_interval_s - time.monotonic())
             errors: list = []
-            got = self.consumer.poll(min(self.batch_size - len(batch), 10_000), timeout_s=timeout, errors=errors)
+            got = self.consumer.poll(min(self.batch_size - len(batch), 10_000), timeout_s=timeout, errors=errors,
+                                     decode=False)
             if errors:  # a broker or topic problem: store what came, then let run() wait it out
                 batch.extend(got)
                 if batch:
@@ -476,7 +538,9 @@ class HistorySink:
     def store_batch(self, batch: list) -> dict[str, int]:
         """Insert what is not stored yet; return rows stored per table. Does not commit."""
         rows: dict[str, list[list[Any]]] = defaultdict(list)
+        bulk: dict[str, list[tuple[Any, int]]] = defaultdict(list)
         rejects: list[list[Any]] = []
+        counts: dict[str, int] = defaultdict(int)
         for r in batch:
             tp = (r.topic, r.partition)
             table = self.topics[r.topic]
@@ -487,15 +551,34 @@ class HistorySink:
             if r.offset in self._already.get(tp, ()):
                 self.stats.skipped_already_stored += 1
                 continue
-            expected_type = EVENT_FOR_TABLE[table]
-            if r.event is None or r.event.type != expected_type:
-                error = (f"{type(r.error).__name__}: {r.error}" if r.error is not None
-                         else f"a {r.event.type} event on a topic of {expected_type}")
-                rejects.append([r.topic, r.partition, r.offset,
-                                r.key.decode(errors="replace") if r.key is not None else None, r.value, error])
+            if r.event is None and r.error is None:  # polled undecoded
+                at = self.codec.current_body_offset(r.value, EVENT_FOR_TABLE[table])
+                if at is not None:
+                    bulk[table].append((r, at))
+                    continue
+            self._row(r, table, rows, rejects)
+        for table, messages in bulk.items():
+            try:
+                self.store.insert_avro(table, messages)
+            except Exception as exc:
+                # The engine refused a body (one the header vouched for is not a valid event): the batch
+                # goes through the codec, which rejects exactly the bad messages. What the failed insert
+                # may have written is found by offset and skipped, as after a crash.
+                log.warning("bulk insert of %d rows into %s failed (%s); decoding them one by one",
+                            len(messages), table, str(exc).splitlines()[0][:300])
+                stored: dict[tuple[str, int], set[int]] = {}
+                for r, _ in messages:
+                    if (r.topic, r.partition) not in stored:
+                        stored[(r.topic, r.partition)] = self.store.stored_offsets(
+                            table, r.topic, r.partition, min(m.offset for m, _ in messages
+                                                             if (m.topic, m.partition) == (r.topic, r.partition)))
+                    if r.offset in stored[(r.topic, r.partition)]:
+                        self.stats.skipped_already_stored += 1
+                    else:
+                        self._row(r, table, rows, rejects)
                 continue
-            record = r.event.record
-            rows[table].append([record.get(c) for c in self.store.columns(table)] + [r.topic, r.partition, r.offset])
+            self.stats.stored[table] += len(messages)
+            counts[table] += len(messages)
         for table, table_rows in rows.items():
             try:
                 self.store.insert(table, table_rows)
@@ -504,12 +587,31 @@ class HistorySink:
                 raise HistoryError(f"storing {len(table_rows)} rows into {self.store.database}.{table} failed "
                                    f"(first: {first[-3]}/{first[-2]}@{first[-1]}): {exc}") from exc
             self.stats.stored[table] += len(table_rows)
+            counts[table] += len(table_rows)
         if rejects:
             log.error("%d messages are not events of their topic's type; kept in %s.%s (first: %s)",
                       len(rejects), self.store.database, REJECTS, rejects[0][5])
             self.store.insert_rejects(rejects)
             self.stats.rejects += len(rejects)
-        return {t: len(v) for t, v in rows.items()}
+        return dict(counts)
+
+    def _row(self, r, table: str, rows: dict[str, list[list[Any]]], rejects: list[list[Any]]) -> None:
+        """Decode one message here (if polled undecoded): a row of its table, or a reject."""
+        event, error = r.event, r.error
+        if event is None and error is None:
+            try:
+                event = self.codec.decode(r.value)
+            except EventDecodeError as exc:
+                error = exc
+        expected_type = EVENT_FOR_TABLE[table]
+        if event is None or event.type != expected_type:
+            error = (f"{type(error).__name__}: {error}" if error is not None
+                     else f"a {event.type} event on a topic of {expected_type}")
+            rejects.append([r.topic, r.partition, r.offset,
+                            r.key.decode(errors="replace") if r.key is not None else None, r.value, error])
+            return
+        record = event.record
+        rows[table].append([record.get(c) for c in self.store.columns(table)] + [r.topic, r.partition, r.offset])
 
     def step(self, stop: threading.Event | None = None) -> int:
         """One batch: poll, store, then commit. Returns the number of messages handled."""
