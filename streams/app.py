@@ -37,7 +37,7 @@ from infra.settings import Settings
 from schemas.codec import EventDecodeError
 from schemas.events import Event, new_event
 from schemas.topics import CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, Topic
-from streams.join import EpisodeJoiner, JoinConfig, PromptMatcher, millis
+from streams.join import REUSE_MARK, EpisodeJoiner, JoinConfig, PromptMatcher, millis, reuse_key
 from streams.rewards import RewardSpecs
 from streams.scoring import Scorers, rescored
 
@@ -454,6 +454,10 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         await by_prompt.send(key=_prompt_key(rec), value={"kind": "completion", "record": {
             k: rec[k] for k in ("completion_id", "served_at", "completion_text", "project_id", "user_id",
                                 "prompt_sha256")}})
+        if (reuse := reuse_key(rec)) is not None:  # a candidate for feedback on a reused suggestion
+            await by_prompt.send(key=_key_bytes(reuse), value={"kind": "completion", "record": {
+                k: rec[k] for k in ("completion_id", "served_at", "completion_text", "project_id", "user_id",
+                                    "prefix", "suffix", "filepath")}})
 
     async def route_one_feedback(event) -> None:
         fb = decoded(event, "FeedbackReceived")
@@ -502,7 +506,8 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         """The matcher for one prompt key, from its table entry (the key is the matcher's own key)."""
         state, k = prompt_state[key], _prompt_tuple(key)
         return PromptMatcher(config, candidates={k: state.get("candidates", [])},
-                             waiting={k: state.get("waiting", [])}, stream_time=state.get("t", 0))
+                             waiting={k: state.get("waiting", [])}, stream_time=state.get("t", 0),
+                             reuse=k[2].startswith(REUSE_MARK))
 
     def save_matcher(key, m: PromptMatcher, partition: int) -> None:
         k = _prompt_tuple(key)
@@ -525,16 +530,19 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         if value["kind"] == "completion":
             for cid, fb in m.on_completion(rec):
                 await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": fb})
-        else:
-            cid = m.on_feedback(rec)
-            if cid is not None:
-                await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": rec})
+        elif (match := m.on_feedback(rec)) is not None:
+            cid, fb = match
+            await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": fb})
         save_matcher(key, m, partition)
 
     async def expire_prompt(key: bytes, partition: int, now: int) -> None:
         m = matcher_for(key)
         m.stream_time = max(m.stream_time, now)
         for fb in m.expire():
+            if not m.reuse and (reuse := reuse_key(fb)) is not None:
+                # No completion had its prompt: one more try, as feedback on a reused suggestion.
+                await by_prompt.send(key=_key_bytes(reuse), value={"kind": "feedback", "record": fb})
+                continue
             await by_completion.send(key=_identity_key(fb), value={"kind": "unmatched", "record": fb,
                                                                    "why": "unmatched"})
         save_matcher(key, m, partition)
@@ -657,6 +665,10 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
 
 def _prompt_key(record: dict) -> bytes:
     return f"{record['project_id']}\x1f{record['user_id']}\x1f{record['prompt_sha256']}".encode()
+
+
+def _key_bytes(key: tuple) -> bytes:
+    return "\x1f".join(key).encode()
 
 
 def _prompt_tuple(key: bytes) -> tuple:

@@ -8,6 +8,11 @@ Two stages, each keyed the way its input is partitioned (DESIGN → Joining with
   text the IDE reported (Continue trims what it shows). Feedback that arrives
   before its completion waits for it until the stream time passes its time
   plus the allowed lateness.
+- Generator reuse (by file and suffix): when the user types into a pending suggestion, Continue sends no
+  new request (GeneratorReuseManager) and logs a prompt rebuilt for the longer prefix with only the rest
+  of the suggestion as its completion. Feedback that finds no completion by its prompt hash is tried
+  once more, keyed by (project, user, file, suffix), against completions whose prefix, extended by the
+  start of their text, is the feedback's prefix, and whose text goes on with what it reports.
 - ``EpisodeJoiner`` (by completion id): one episode per completion, from the first
   decision on it; later feedback on the same completion is a duplicate. A
   completion with no feedback within its TTL closes as IGNORED. A completion that
@@ -22,12 +27,14 @@ Episode ids are derived from what they join, so a re-run produces the same ids.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from schemas.events import Event, new_event
+from serving.fim import parse_prompt
 from streams.rewards import RewardSpecs, acceptance_reward, composite_reward
 
 EPISODE_NAMESPACE = uuid.UUID("6f1c2a9e-5b7d-4d8e-9c3a-2b1f0e4d7a6c")
@@ -105,6 +112,42 @@ def shown_part(completion: dict, shown: str | None) -> tuple[str, list[int], lis
     return shown, ids[:kept], logprobs[:kept]
 
 
+REUSE_MARK = "reuse:"
+"""How a reuse key's third part starts: a prompt hash (hex) never does."""
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cursor(record: dict) -> tuple[str, str, str | None] | None:
+    """(prefix, suffix, filepath) of a FIM prompt: from a completion's parsed fields, or a feedback's prompt;
+    None for a plain prompt (or none): its reuse can't be recognised."""
+    if "served_at" in record:
+        prefix, suffix, path = record.get("prefix"), record.get("suffix"), record.get("filepath")
+    elif record.get("prompt") is not None:
+        parsed = parse_prompt(record["prompt"])
+        prefix, suffix, path = parsed.prefix, parsed.suffix, parsed.filepath
+    else:
+        return None
+    return None if prefix is None or suffix is None else (prefix, suffix, path)
+
+
+def reuse_key(record: dict) -> tuple | None:
+    """The key under which a reused generator's feedback meets its completion: what typing into a pending
+    suggestion does not change — who, the file, the text after the cursor. None: not a FIM prompt."""
+    cursor = _cursor(record)
+    if cursor is None:
+        return None
+    _, suffix, path = cursor
+    return (record["project_id"], record["user_id"], REUSE_MARK + _sha(f"{path or ''}\x00{suffix}"))
+
+
+def with_typed(fb: dict, typed: str) -> dict:
+    """Feedback on a reused suggestion, with the part of it the user typed (shown, then typed over)."""
+    return {**fb, "reuse_typed": typed}
+
+
 def _feedback_identity(fb: dict) -> str:
     # The IDE's own id when it has one: Continue may report one decision more than once.
     return f"{fb['project_id']}/{fb['client_completion_id']}" if fb.get("client_completion_id") else fb["event_id"]
@@ -116,28 +159,33 @@ class PromptMatcher:
     candidates: dict[tuple, list[dict]] = field(default_factory=dict)
     waiting: dict[tuple, list[dict]] = field(default_factory=dict)
     stream_time: int = 0
+    reuse: bool = False
+    """Match generator reuse (keys from ``reuse_key``) instead of the same prompt."""
 
-    @staticmethod
-    def key(record: dict) -> tuple:
-        return (record["project_id"], record["user_id"], record["prompt_sha256"])
+    def key(self, record: dict) -> tuple:
+        return reuse_key(record) if self.reuse else (record["project_id"], record["user_id"], record["prompt_sha256"])
 
     def on_completion(self, completion: dict) -> list[tuple[str, dict]]:
         """Remember a completion; return (completion_id, feedback) pairs for feedback that waited for it."""
         self.stream_time = max(self.stream_time, millis(completion["served_at"]))
         k = self.key(completion)
-        self.candidates.setdefault(k, []).append(
-            {"completion_id": completion["completion_id"], "served_at": millis(completion["served_at"]),
-             "text": completion["completion_text"]})
+        candidate = {"completion_id": completion["completion_id"], "served_at": millis(completion["served_at"]),
+                     "text": completion["completion_text"]}
+        if self.reuse:  # the prefix's length and hash: enough to recognise it, small to keep
+            prefix = _cursor(completion)[0]
+            candidate.update(prefix_chars=len(prefix), prefix_sha256=_sha(prefix))
+        self.candidates.setdefault(k, []).append(candidate)
         resolved, still = [], []
         for fb in self.waiting.pop(k, []):
             match = self._match(k, fb)
-            (resolved.append((match, fb)) if match else still.append(fb))
+            (resolved.append(match) if match else still.append(fb))
         if still:
             self.waiting[k] = still
         return resolved
 
-    def on_feedback(self, fb: dict) -> str | None:
-        """The completion id this feedback is about, or None (it waits; ``expire`` gives it up later)."""
+    def on_feedback(self, fb: dict) -> tuple[str, dict] | None:
+        """(completion id, the feedback as the joiner takes it) for this feedback, or None (it waits;
+        ``expire`` gives it up later)."""
         self.stream_time = max(self.stream_time, millis(fb["received_at"]))
         k = self.key(fb)
         match = self._match(k, fb)
@@ -145,18 +193,33 @@ class PromptMatcher:
             self.waiting.setdefault(k, []).append(fb)
         return match
 
-    def _match(self, k: tuple, fb: dict) -> str | None:
+    def _match(self, k: tuple, fb: dict) -> tuple[str, dict] | None:
         at = millis(fb["received_at"])
         shown = fb.get("completion")
-        best = None
+        typed_of = self._typed if self.reuse else (lambda c, fb: "")
+        best, best_typed = None, ""
         for c in self.candidates.get(k, ()):
             if not at - self.config.match_window_ms <= c["served_at"] <= at + self.config.finish_slack_ms:
                 continue
-            if shown is not None and not c["text"].startswith(shown):
+            typed = typed_of(c, fb)
+            if typed is None or (shown is not None and not c["text"].startswith(typed + shown)):
                 continue
             if best is None or c["served_at"] >= best["served_at"]:
-                best = c
-        return best["completion_id"] if best else None
+                best, best_typed = c, typed
+        if best is None:
+            return None
+        return best["completion_id"], with_typed(fb, best_typed) if self.reuse else fb
+
+    @staticmethod
+    def _typed(c: dict, fb: dict) -> str | None:
+        """What the user typed of candidate ``c`` before Continue logged ``fb`` on it: the feedback's prefix
+        is the completion's prefix plus a non-empty start of the completion's text; None if it is not."""
+        prefix = _cursor(fb)[0]
+        n = c.get("prefix_chars")
+        if n is None or len(prefix) <= n or _sha(prefix[:n]) != c["prefix_sha256"]:
+            return None
+        typed = prefix[n:]
+        return typed if c["text"].startswith(typed) else None
 
     def expire(self) -> list[dict]:
         """Feedback whose wait is over (unmatched); forgets candidates older than the window."""
@@ -279,7 +342,10 @@ class EpisodeJoiner:
         spec = self.specs.for_project(source["project_id"])
         outcome = fb["outcome"] if fb else "IGNORED"
         if completion:
-            text, tokens, logprobs = shown_part(completion, fb.get("completion") if fb else None)
+            shown = fb.get("completion") if fb else None
+            if shown is not None and fb.get("reuse_typed"):
+                shown = fb["reuse_typed"] + shown  # a reused suggestion: the user saw all of it, typed the start
+            text, tokens, logprobs = shown_part(completion, shown)
         else:
             text, tokens, logprobs = fb.get("completion") or "", [], []
         fraction = None
@@ -317,6 +383,7 @@ class JoinPipeline:
 
     def __post_init__(self) -> None:
         self.matcher = PromptMatcher(self.config)
+        self.reuse_matcher = PromptMatcher(self.config, reuse=True)
         self.joiner = EpisodeJoiner(self.specs, self.config)
 
     @property
@@ -325,7 +392,10 @@ class JoinPipeline:
 
     def completion(self, completion: dict) -> list[Event]:
         out = self.joiner.on_completion(completion)
-        for cid, fb in self.matcher.on_completion(completion):
+        resolved = self.matcher.on_completion(completion)
+        if reuse_key(completion) is not None:
+            resolved += self.reuse_matcher.on_completion(completion)
+        for cid, fb in resolved:
             if (ep := self.joiner.on_feedback(cid, fb)) is not None:
                 out.append(ep)
         return out
@@ -340,15 +410,22 @@ class JoinPipeline:
         if fb.get("completion_id"):
             ep = self.joiner.on_feedback(fb["completion_id"], fb)
             return [ep] if ep else []
-        cid = self.matcher.on_feedback(fb)
-        if cid is None:
+        match = self.matcher.on_feedback(fb)
+        if match is None:
             return []
-        ep = self.joiner.on_feedback(cid, fb)
+        ep = self.joiner.on_feedback(*match)
         return [ep] if ep else []
 
     def tick(self) -> list[Event]:
-        """Close what time has closed: unmatched feedback, IGNORED completions."""
-        now = max(self.matcher.stream_time, self.joiner.stream_time)
-        self.matcher.stream_time = self.joiner.stream_time = now
-        out = [ep for fb in self.matcher.expire() if (ep := self.joiner.unmatched(fb, "unmatched")) is not None]
+        """Close what time has closed: feedback no completion's prompt matched gets one more try as
+        generator reuse, then is unmatched; IGNORED completions."""
+        now = max(self.matcher.stream_time, self.reuse_matcher.stream_time, self.joiner.stream_time)
+        self.matcher.stream_time = self.reuse_matcher.stream_time = self.joiner.stream_time = now
+        out = []
+        for fb in self.matcher.expire():
+            if reuse_key(fb) is None:
+                out += [ep] if (ep := self.joiner.unmatched(fb, "unmatched")) is not None else []
+            elif (match := self.reuse_matcher.on_feedback(fb)) is not None:
+                out += [ep] if (ep := self.joiner.on_feedback(*match)) is not None else []
+        out += [ep for fb in self.reuse_matcher.expire() if (ep := self.joiner.unmatched(fb, "unmatched")) is not None]
         return out + self.joiner.expire()

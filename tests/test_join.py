@@ -183,3 +183,51 @@ def test_the_episode_is_what_the_ide_showed_plus_the_token_that_ended_it():
     old = {k: v for k, v in served.items() if k != "completion_token_ends"}
     eps, _ = run([("c", old), ("f", feedback(100, cid="c1", shown="x = 1", prompt=None))])
     assert eps[0].record["completion_token_ids"] == [11, 12, 13, 14]
+
+
+# -- generator reuse: Continue's GeneratorReuseManager ----------------------------------------------------
+
+def fim(prefix: str, suffix: str = "\n\nprint(add(1, 2))\n", path: str = "src/m.py") -> str:
+    """A prompt as Continue writes it for a Qwen coder model (its FIM template, the current file's header)."""
+    return f"<|repo_name|>r\n<|file_sep|>{path}\n<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
+
+
+def fim_completion(cid: str, ms: int, prefix: str, text: str, **kw) -> dict:
+    c = completion(cid, ms, text, prompt=fim(prefix, **kw))
+    c.update(prefix=prefix, suffix=kw.get("suffix", "\n\nprint(add(1, 2))\n"), filepath=kw.get("path", "src/m.py"),
+             completion_token_ends=[4, 8, 13], completion_token_ids=[1, 2, 3])
+    return c
+
+
+def test_reused_suggestion_joins_the_completion_that_served_it():
+    # Served "    return a + b" after "def add(a, b):\n"; the user typed "    ret" into it and Tab-accepted
+    # the rest: Continue logs a prompt rebuilt for the longer prefix and only "urn a + b".
+    served = fim_completion("c1", 0, "def add(a, b):\n", "    return a + b")
+    fb = feedback(2000, shown="urn a + b", prompt=fim("def add(a, b):\n    ret"), client_id="k1")
+    eps, counts = run([("c", served), ("f", fb), ("c", completion("later", 120_000))])
+    [ep] = eps
+    r = ep.record
+    assert (r["completion_id"], r["matched"], r["policy_version"], r["reward"]) == ("c1", True, 4, 0.75)
+    # The user saw all of it: the typed start and the rest; the tokens are those of the shown text.
+    assert r["completion_text"] == "    return a + b" and r["completion_token_ids"] == [1, 2, 3]
+    assert counts["unmatched"] == 0
+
+
+def test_reuse_trains_only_the_tokens_the_user_saw():
+    served = fim_completion("c1", 0, "x = ", "1234567890123")
+    fb = feedback(2000, shown="567", prompt=fim("x = 1234"), client_id="k1")  # Continue cut the rest
+    eps, _ = run([("c", served), ("f", fb), ("c", completion("later", 120_000))])
+    [ep] = eps
+    assert ep.record["completion_text"] == "1234567" and ep.record["completion_token_ids"] == [1, 2]
+
+
+def test_reuse_needs_same_user_file_suffix_and_a_typed_start_of_the_text():
+    served = fim_completion("c1", 0, "def add(a, b):\n", "    return a + b")
+    wrong = [feedback(2000, shown="urn a + b", prompt=fim("def add(a, b):\n    ret"), client_id="u2", user="u2"),
+             feedback(2001, shown="urn a + b", prompt=fim("def add(a, b):\n    ret", path="other.py"),
+                      client_id="path"),
+             feedback(2002, shown="urn a + b", prompt=fim("def add(a, b):\n    ret", suffix="\n"), client_id="sfx"),
+             feedback(2003, shown="urn a + b", prompt=fim("def add(a, b):\n    rat"), client_id="typo"),
+             feedback(2004, shown="urn a - b", prompt=fim("def add(a, b):\n    ret"), client_id="text")]
+    eps, counts = run([("c", served), *[("f", f) for f in wrong], ("c", completion("later", 120_000))])
+    assert [e.record["matched"] for e in eps] == [False] * 5 and counts["unmatched"] == 5
