@@ -11,7 +11,7 @@ from infra.cli import main
 from tests.test_judge import FakeJudgeAPI, Reply
 from trainer.evaluate import apply_weights, cut_completion, evaluate, generate, load_policy
 from trainer.models import build_tiny_model, load_model
-from trainer.tasks import FimTask, humaneval_tasks, save_tasks
+from trainer.tasks import FimTask, save_tasks
 
 TASKS = [FimTask(f"t{i}", prefix=p, suffix=s, middle="x") for i, (p, s) in enumerate([
     ("def add(a, b):\n    return a", "\n"),
@@ -32,28 +32,37 @@ def tiny(tiny_model):
     return load_model(tiny_model)
 
 
-def test_generation_is_deterministic_and_scores_its_own_output(tiny):
+def test_generation_is_deterministic_and_evaluate_scores_what_it_generated(tiny):
     model, tok = tiny
     first = generate(model, tok, TASKS, max_new_tokens=12, batch_size=2)
     assert first == generate(model, tok, TASKS, max_new_tokens=12, batch_size=3), "batching changes nothing"
     assert all("\n" not in c for c, t in zip(first, TASKS) if t.prefix.rsplit("\n", 1)[-1].strip())
-    # Tasks whose reference is exactly what the model writes: exact match 1; others 0.
-    own = [FimTask(t.task_id, t.prefix, t.suffix, middle=c or "<nothing>") for t, c in zip(TASKS, first)]
-    summary, scored = evaluate(model, tok, own, max_new_tokens=12)
-    expected = sum(1 for c in first if c) / len(first)
-    assert summary["exact_match"] == pytest.approx(expected, abs=1e-4) and summary["n"] == 3
-    assert summary["empty_share"] == pytest.approx(sum(1 for c in first if not c) / 3, abs=1e-4)
+    _, scored = evaluate(model, tok, TASKS, max_new_tokens=12)
     assert [s.completion for s in scored] == first
     sampled = generate(model, tok, TASKS, max_new_tokens=12, temperature=1.0, seed=5)
     assert sampled == generate(model, tok, TASKS, max_new_tokens=12, temperature=1.0, seed=5)
 
 
-def test_tests_scorer_gives_pass_at_1(tiny):
+def test_exact_match_and_empty_share_by_hand(tiny, monkeypatch):
+    """Completions fixed here (the tiny model writes empty ones): the figures follow from them alone."""
     model, tok = tiny
-    tasks = humaneval_tasks(mode="line")[:3]
+    written = [" + b", "th.exists", ""]
+    monkeypatch.setattr("trainer.evaluate.generate", lambda model, tok, tasks, **kw: list(written))
+    refs = [FimTask(t.task_id, t.prefix, t.suffix, middle=m) for t, m in zip(TASKS, [" + b", "th.join", "pass"])]
+    summary, scored = evaluate(model, tok, refs, max_new_tokens=12)
+    assert summary["exact_match"] == pytest.approx(1 / 3, abs=1e-4) and summary["n"] == 3  # only t0 is right
+    assert summary["empty_share"] == pytest.approx(1 / 3, abs=1e-4)
+    assert [s.completion for s in scored] == written and [s.reference for s in scored] == [r.middle for r in refs]
+
+
+def test_tests_scorer_gives_pass_at_1(tiny):
+    """Tests whose verdict does not depend on the completion (it lands in a comment): one passes, one fails."""
+    model, tok = tiny
+    tasks = [FimTask("passes", "x = 1\n# ", "\n", middle="", test="assert x == 1\n"),
+             FimTask("fails", "x = 1\n# ", "\n", middle="", test="assert x == 2\n")]
     summary, scored = evaluate(model, tok, tasks, scorer="tests", max_new_tokens=8)
-    assert summary["n_tested"] == 3 and all(s.passed is not None for s in scored)
-    assert summary["pass_at_1"] == pytest.approx(sum(s.passed for s in scored) / 3, abs=1e-4)
+    assert summary["n_tested"] == 2 and [s.passed for s in scored] == [True, False]
+    assert summary["pass_at_1"] == pytest.approx(0.5, abs=1e-4)
     with pytest.raises(ValueError, match="needs tasks with tests"):
         evaluate(model, tok, TASKS, scorer="tests")
 

@@ -176,7 +176,10 @@ def test_faults_lose_nothing_acknowledged(drill, tiny_model, tmp_path):
         # stored it all; the counts then stay put.
         acknowledged = {r["feedback_event_id"]: (name, r) for name, records, *_ in phases for r in records
                         if r["feedback_status"] == 202}
-        assert all(acknowledged)
+        # Every phase had feedback acknowledged, each with its event id: else what follows holds of nothing.
+        assert {n for n, _ in acknowledged.values()} == {n for n, *_ in phases}, Counter(
+            n for n, _ in acknowledged.values())
+        assert all(isinstance(i, str) and i for i in acknowledged), [i for i in acknowledged if not i][:3]
         wait(lambda: acknowledged.keys() <= {e.event_id for e in _events(settings, FEEDBACK.name)}, 120,
              "every acknowledged feedback on tabloop.feedback (the spool replayed)")
         drained = None

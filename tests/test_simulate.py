@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,7 +13,6 @@ from infra.bus import ensure_topics
 from schemas.topics import COMPLETIONS, FEEDBACK
 from serving import feedback
 from serving.auth import KeyStore
-from streams.sandbox import run_tests
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique
 from trainer.simulate import (CONTINUE_STOPS, EVENT_SOURCES, SimConfig, UserModel, api_payload, completion_body,
@@ -49,21 +49,26 @@ def test_similarity_rule_uses_the_threshold():
         UserModel("vibes")
 
 
-def test_tests_rule_runs_the_tasks_tests():
+def test_tests_rule_runs_the_tasks_tests(monkeypatch):
     task = next(t for t in humaneval_tasks(mode="line") if t.middle.startswith("return "))
     user = UserModel("tests")
     assert user.accepts(task, task.middle, run_tests=sandbox_passes)
     assert not user.accepts(task, "return None", run_tests=sandbox_passes)
     with pytest.raises(ValueError, match="has none"):
         user.accepts(TASK, " * h", run_tests=sandbox_passes)
-    assert run_tests  # the sandbox the rule runs in is the test scorer's
+    # The sandbox the rule runs in is the test scorer's: sandbox_passes hands the whole program to it.
+    ran = []
+    monkeypatch.setattr("streams.sandbox.run_tests",
+                        lambda program, **kw: ran.append(program) or SimpleNamespace(passed=False))
+    assert not user.accepts(task, task.middle, run_tests=sandbox_passes)
+    assert ran == [task.program(task.middle)]
 
 
 def test_payloads_parse_into_the_events_the_front_door_makes():
     prompt = TASK.fim_prompt(with_context=True)
     fork = feedback.from_fork(fork_payload(TASK, prompt, " * h", True, client_id="c1", decision_ms=420,
                                            unique_id="m1"), project_id="p", user_id="u").record
-    assert (fork["source"], fork["outcome"], fork["accepted_chars"], fork["time_to_decision_ms"]) == (
+    assert (fork["source"], fork["outcome"], fork["accepted_chars"], fork["client_time_ms"]) == (
         "continue-fork", "ACCEPTED", 4, 420)
     assert fork["prompt_sha256"] == hashlib.sha256(prompt.encode()).hexdigest() and fork["filepath"] == "geo.py"
     data = feedback.from_continue_data(data_event(TASK, prompt, " * w", False, client_id="c2", decision_ms=9000,
