@@ -49,7 +49,9 @@ def _continue_feedback(data: dict, *, where: str, source: str, project_id: str, 
     for name, max_chars in FORK_TEXT_FIELDS.items():
         field(data, name, str, where=where, max_chars=max_chars)
     accepted = field(data, "accepted", bool, required=True, where=where)
-    decision_ms = _millis(field(data, "time", (int, float), where=where), f"{where}time")
+    # Continue's `time` is how long it took to generate the suggestion (CompletionProvider sets it then;
+    # AutocompleteLoggingService never updates it on accept or reject): not a time to decision.
+    client_time_ms = _millis(field(data, "time", (int, float), where=where), f"{where}time")
     field(data, "numLines", int, where=where)
     cache_hit = field(data, "cacheHit", bool, default=False, where=where)
     prompt, completion = data.get("prompt"), data.get("completion")
@@ -58,7 +60,7 @@ def _continue_feedback(data: dict, *, where: str, source: str, project_id: str, 
         client_completion_id=data.get("completionId"), prompt=prompt, prompt_sha256=_sha(prompt),
         completion=completion, outcome="ACCEPTED" if accepted else "REJECTED",
         accepted_chars=len(completion) if accepted and completion is not None else None,
-        time_to_decision_ms=decision_ms, cache_hit=cache_hit,
+        client_time_ms=client_time_ms, cache_hit=cache_hit,
         filepath=data.get("filepath"), model_name=data.get("modelName"), raw_payload=json.dumps(raw),
     )
 

@@ -355,6 +355,10 @@ class EpisodeJoiner:
         n_tokens = self.specs.completion_tokens(spec, tokens, text)  # unmatched: the text's, not none
         completion_id = completion["completion_id"] if completion else f"unmatched-{fb['event_id']}"
         times = [millis(x) for x in ((completion or {}).get("served_at"), (fb or {}).get("received_at")) if x]
+        # Time to decision from our own clocks (served_at: the response's end; the slack may put the
+        # feedback a little before it); without a completion, what the client said, if it did.
+        decision_ms = (max(times[1] - times[0], 0) if completion and fb
+                       else (fb or {}).get("time_to_decision_ms") if not completion else None)
         return new_event(
             "Episode",
             event_id=str(uuid.uuid5(EPISODE_NAMESPACE, f"{completion_id}/{fb['event_id'] if fb else 'ignored'}")),
@@ -370,7 +374,7 @@ class EpisodeJoiner:
             **({"temperature": completion["temperature"], "top_p": completion["top_p"]} if completion else {}),
             outcome=outcome, reward=composite_reward(spec, components, n_tokens),
             reward_components=components, scorer="acceptance", matched=completion is not None,
-            feedback_event_id=fb["event_id"] if fb else None,
+            feedback_event_id=fb["event_id"] if fb else None, time_to_decision_ms=decision_ms,
         )
 
 

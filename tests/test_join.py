@@ -231,3 +231,13 @@ def test_reuse_needs_same_user_file_suffix_and_a_typed_start_of_the_text():
              feedback(2004, shown="urn a - b", prompt=fim("def add(a, b):\n    ret"), client_id="text")]
     eps, counts = run([("c", served), *[("f", f) for f in wrong], ("c", completion("later", 120_000))])
     assert [e.record["matched"] for e in eps] == [False] * 5 and counts["unmatched"] == 5
+
+
+def test_time_to_decision_is_ours_served_at_to_received_at():
+    # Continue's `time` is its generation time (stored as client_time_ms); the decision time is our clocks'.
+    fb = {**feedback(2500, client_id="k1"), "client_time_ms": 180, "time_to_decision_ms": None}
+    eps, _ = run([("c", completion("c1", 1000)), ("f", fb)])
+    assert eps[0].record["time_to_decision_ms"] == 1500
+    api = {**feedback(9000, cid="nope", shown=None, prompt=None), "time_to_decision_ms": 420}
+    eps, _ = run([("f", api), ("c", completion("tick", 200_000))])
+    assert [(e.record["matched"], e.record["time_to_decision_ms"]) for e in eps] == [(False, 420)]
