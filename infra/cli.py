@@ -622,6 +622,40 @@ def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens:
     run(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
 
 
+# -- continue: the IDE's config (infra/local.py) ----------------------------------------------------
+
+@main.group("continue")
+def continue_group() -> None:
+    """Continue (the IDE extension): its config for this system."""
+
+
+@continue_group.command("config")
+@click.option("--merge", "merge_path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Add the model and the data destination to this Continue config.yaml instead of printing "
+                   "a whole one (everything else kept; the old file kept as <file>.bak).")
+@click.option("--new-key", is_flag=True, help="Make a new API key (project 'local') and put it in.")
+@click.pass_context
+def continue_config_cmd(ctx: click.Context, merge_path: str | None, new_key: bool) -> None:
+    """Print a complete Continue config.yaml for this system, or merge its entries into one."""
+    from pathlib import Path
+
+    from infra.local import ContinueConfigError, continue_config, endpoints, merge_continue_config, new_local_key
+
+    s = _settings(ctx)
+    addresses = endpoints(s)
+    key = new_local_key(s.keys_file) if new_key and addresses["auth"] == "keys" else None
+    if key:
+        click.echo(f"API key (project 'local'; shown once, only its hash is kept): {key}", err=True)
+    if merge_path is None:
+        click.echo(continue_config(addresses, key), nl=False)
+        return
+    try:
+        backup = merge_continue_config(Path(merge_path), addresses, key)
+    except ContinueConfigError as exc:
+        raise TabloopError(str(exc)) from None
+    click.echo(f"merged the tabloop model and data destination into {merge_path} (the old file: {backup})")
+
+
 # -- history: ClickHouse, SQL, dashboard, replay (streams/history_cli.py) ----------
 
 from streams import history_cli  # noqa: E402

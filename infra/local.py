@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 from infra.settings import Settings
 
@@ -54,32 +55,79 @@ def endpoints(settings: Settings) -> dict:
 KEY_PLACEHOLDER = "<your tabloop API key>"
 
 
+CONTINUE_NAME = "tabloop"
+"""The name of the model and of the data destination that `tabloop continue config --merge` owns."""
+
+
+def _api_key(addresses: dict, key: str | None) -> str:
+    return key or ("unused-in-open-mode" if addresses["auth"] == "open" else KEY_PLACEHOLDER)
+
+
+def continue_entries(addresses: dict, key: str | None) -> tuple[dict, dict]:
+    """(the autocomplete model, the ``data:`` destination) for the system at ``addresses`` (``endpoints``)."""
+    api_key = _api_key(addresses, key)
+    # "qwen" + "coder" in the model name: Continue writes its Qwen FIM template (the front door renders
+    # the prompt in the served model's own format whatever template the client used).
+    model = {"name": CONTINUE_NAME, "provider": "openai", "model": "qwen2.5-coder-1.5b",
+             "apiBase": addresses["completions"], "apiKey": api_key, "roles": ["autocomplete"]}
+    data = {"name": CONTINUE_NAME, "destination": f"{addresses['feedback']}/api/continue/events",
+            "schema": "0.2.0", "level": "all", "events": ["autocomplete"], "apiKey": api_key}
+    return model, data
+
+
 def continue_config(addresses: dict, key: str | None) -> str:
-    """The Continue config.yaml snippet for the system at ``addresses`` (``endpoints``). ``key`` None: the
-    system's auth is open, or the user fills in a key of theirs."""
-    api_key = key or ("unused-in-open-mode" if addresses["auth"] == "open" else KEY_PLACEHOLDER)
-    completions, feedback = addresses["completions"], addresses["feedback"]
-    return f"""\
-# ~/.continue/config.yaml — autocomplete from tabloop, feedback back to it
-models:
-  - name: tabloop
-    provider: openai
-    model: qwen2.5-coder-1.5b      # "qwen" + "coder" in the name: Continue uses the Qwen FIM template
-    apiBase: {completions}
-    apiKey: {api_key}
-    roles: [autocomplete]
-# Feedback from stock Continue:
-data:
-  - name: tabloop
-    destination: {feedback}/api/continue/events
-    schema: 0.2.0
-    level: all
-    events: [autocomplete]
-    apiKey: {api_key}
-# Or, with the Continue fork of the RLinf recipe, in its tabAutocompleteOptions:
-#   completionTrackingUrl: {feedback}/api/training/submit
-#   completionTrackingHeaders: {{Authorization: "Bearer {api_key}"}}
-"""
+    """A complete Continue ``config.yaml`` for the system at ``addresses`` (``endpoints``): what Continue's
+    parser requires (name, version, schema), the autocomplete model and the feedback destination. ``key``
+    None: the system's auth is open, or the user fills in a key of theirs."""
+    model, data = continue_entries(addresses, key)
+    body = yaml.safe_dump({"name": "tabloop", "version": "1.0.0", "schema": "v1", "models": [model], "data": [data]},
+                          sort_keys=False, default_flow_style=None, width=200)
+    return (f"# ~/.continue/config.yaml: autocomplete from tabloop, feedback back to it. To keep a config of your own,\n"
+            f"# `tabloop continue config --merge ~/.continue/config.yaml` adds these two entries to it instead.\n"
+            f"{body}"
+            f"# Or, with the Continue fork of the RLinf recipe, in its tabAutocompleteOptions:\n"
+            f"#   completionTrackingUrl: {addresses['feedback']}/api/training/submit\n"
+            f"#   completionTrackingHeaders: {{Authorization: \"Bearer {model['apiKey']}\"}}\n")
+
+
+class ContinueConfigError(Exception):
+    """A Continue config that `tabloop continue config --merge` will not touch."""
+
+
+def merge_continue_config(path: Path, addresses: dict, key: str | None) -> Path:
+    """Put tabloop's autocomplete model and data destination into the Continue config at ``path``: an entry
+    of the same name is replaced, everything else kept (comments excepted: the YAML is rewritten). The
+    file as it was is kept beside it (``<name>.bak``, or ``.bak.N`` if one exists); returns that path. A
+    file that is not YAML, or whose ``models``/``data`` are not lists, is refused and left as it is."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ContinueConfigError(f"{path} is not YAML Continue could read, so it was left as it is: {exc}") from None
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise ContinueConfigError(f"{path} is not a Continue config (its top level is a "
+                                  f"{type(config).__name__}, not a mapping); it was left as it is")
+    # What Continue's parser requires of a whole file; a file that already has them keeps its own.
+    config = {"name": "Local Config", "version": "1.0.0", "schema": "v1", **config}
+    model, data = continue_entries(addresses, key)
+    for section, entry in (("models", model), ("data", data)):
+        entries = config.get(section) or []
+        if not isinstance(entries, list):
+            raise ContinueConfigError(f"{path}: '{section}' is a {type(entries).__name__}, not a list; "
+                                      "it was left as it is")
+        kept = [e for e in entries if not (isinstance(e, dict) and e.get("name") == CONTINUE_NAME)]
+        config[section] = [*kept, entry]
+    backup = path.with_name(path.name + ".bak")
+    n = 1
+    while backup.exists():
+        backup, n = path.with_name(f"{path.name}.bak.{n}"), n + 1
+    backup.write_text(text, encoding="utf-8")
+    tmp = path.with_name(path.name + ".tabloop-tmp")
+    tmp.write_text(yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=200), encoding="utf-8")
+    tmp.replace(path)  # whole or not at all: Continue may read it at any moment
+    return backup
 
 
 def new_local_key(keys_file: Path) -> str:
