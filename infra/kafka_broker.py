@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -304,10 +305,43 @@ def _port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+_handed_out: set[int] = set()
+PORT_FLOOR = 20000  # below it sit the ports developers' own services use (8080, 9092, 5432, ...)
+
+
 def _free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing holds now, for a server about to bind it.
+
+    Binding port 0 and handing that port on (as this did) races the kernel: the port is one of its
+    ephemeral ones, which it hands to the next outgoing connection or bind to port 0 of any process, so
+    the server's own bind could fail. This picks a random port below the kernel's ephemeral range
+    (``ip_local_port_range``), which the kernel never hands out by itself, checks that it binds, and never
+    hands the same one out twice in a process: only another explicit bind of that very port can take it
+    first (callers that can, retry on EADDRINUSE). Where the ephemeral range leaves too little room below
+    it, the old way."""
+    low = _ephemeral_low()
+    candidates = range(PORT_FLOOR, low) if low - PORT_FLOOR >= 1000 else None
+    for _ in range(50 if candidates else 0):
+        port = random.choice(candidates)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:

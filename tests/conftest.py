@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from infra.kafka_broker import LocalKafka, free_port
+from infra.kafka_broker import KafkaLaunchError, LocalKafka, free_port
 from infra.settings import Settings, load_settings
 
 
@@ -57,12 +57,23 @@ def make_settings(tmp_path, **overrides) -> Settings:
     return load_settings(environ={}, state_dir=str(tmp_path), **overrides)
 
 
+def start_broker(tmp_path_factory, name: str, attempts: int = 3) -> LocalKafka:
+    """A broker started on a free port. ``free_port`` hands on a port nothing holds, which something else
+    could still bind before the broker does: then the start says the port is in use, and we try another."""
+    for attempt in range(1, attempts + 1):
+        settings = make_settings(tmp_path_factory.mktemp(name), kafka_bootstrap=f"127.0.0.1:{free_port()}")
+        broker = LocalKafka(settings)
+        try:
+            broker.start()
+            return broker
+        except KafkaLaunchError as exc:
+            if "already in use" not in str(exc) or attempt == attempts:
+                raise
+
+
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory) -> LocalKafka:
-    state = tmp_path_factory.mktemp("kafka-state")
-    settings = make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}")
-    broker = LocalKafka(settings)
-    broker.start()
+    broker = start_broker(tmp_path_factory, "kafka-state")
     yield broker
     broker.stop()
 
@@ -71,9 +82,7 @@ def kafka(tmp_path_factory) -> LocalKafka:
 def own_kafka(tmp_path_factory) -> LocalKafka:
     """A fresh broker for one test: for workers that read their topics from the start, which must not
     see the session broker's events of other tests."""
-    settings = make_settings(tmp_path_factory.mktemp("own-kafka"), kafka_bootstrap=f"127.0.0.1:{free_port()}")
-    broker = LocalKafka(settings)
-    broker.start()
+    broker = start_broker(tmp_path_factory, "own-kafka")
     yield broker
     broker.stop()
 

@@ -275,7 +275,8 @@ def test_up_serves_learns_restarts_and_down_leaves_nothing(tiny_model, tmp_path)
     # test's whole 600 s (the README's fresh-clone `make up` is where that path was checked).
     state = tmp_path / "state"
     settings = make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}", completions_port=free_port(),
-                             feedback_port=free_port(), topic_partitions=TEST_PARTITIONS, model=tiny_model)
+                             feedback_port=free_port(), history_port=free_port(), topic_partitions=TEST_PARTITIONS,
+                             model=tiny_model)  # no default port: a developer's `tabloop up` may hold it
     try:
         up = _cli(settings, "up", timeout=600)
         assert up.returncode == 0, up.stdout + up.stderr
