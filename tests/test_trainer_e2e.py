@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from schemas.topics import WEIGHTS
 from serving.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ProcessServer, find_events
+from tests.system_helpers import wait
 from trainer.weight_store import WeightStore, version_event
 
 pytestmark = [pytest.mark.kafka, pytest.mark.drill]  # three processes and a broker: minutes on two cores
@@ -83,14 +83,18 @@ class Load:
             return list(self.results[start:])
 
     def wait_for(self, predicate, timeout_s: float, what: str, start: int = 0) -> int:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self.lock:
-                for index, result in enumerate(self.results[start:], start):
-                    if predicate(result):
-                        return index
-            time.sleep(0.2)
-        raise AssertionError(f"never saw {what}; last versions: {[r[1] for r in self.results[-20:]]}")
+        """The index of the first result from ``start`` on that satisfies ``predicate``."""
+        found = wait(lambda: next(((i,) for i, r in enumerate(self.since(start), start) if predicate(r)), None),
+                     timeout_s, what, poll_s=0.2,
+                     explain=lambda: f"last versions: {[r[1] for r in self.since(0)[-20:]]}")
+        return found[0]  # in a tuple: index 0 is a find
+
+    def zero_from(self, start: int, run: int) -> int | None:
+        """Where the latest unbroken run of version-0 answers after ``start`` begins, once it is ``run`` long."""
+        results = self.since(start)
+        other = [i for i, r in enumerate(results) if r[1] != 0]
+        begin = other[-1] + 1 if other else 0
+        return start + begin if len(results) - begin >= run else None
 
     def stop(self) -> None:
         self.stopping.set()
@@ -140,11 +144,8 @@ def test_feedback_to_new_version_to_serving_rollback_and_canary(kafka, tiny_mode
     try:
         # 1. Eight decisions through the front door's feedback route become eight episodes: one update, version 1.
         load.wait_for(lambda r: True, 60, "a first completion")
-        deadline = time.monotonic() + 60
-        while len([r for r in load.since(0) if r[0] == 200]) < 8 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait(lambda: len([r for r in load.since(0) if r[0] == 200]) >= 8, 60, "eight answered completions")
         first = [r for r in load.since(0) if r[0] == 200][:8]
-        assert len(first) == 8
         send_feedback(server.feedback_url, key, first)
         v1_at = load.wait_for(lambda r: r[1] == 1, 240, "version 1 served")
         assert store.versions() == [1] and store.manifest(1).episodes_consumed == 8
@@ -169,27 +170,28 @@ def test_feedback_to_new_version_to_serving_rollback_and_canary(kafka, tiny_mode
             producer.publish(version_event(manifest, "CANDIDATE", {"canary_share": 0.5, "baseline_version": 0.0}))
         trainer = spawn(settings.model_copy(update={"trainer_batch_size": 10_000}), ["train"], "train.log")
         canary_at = load.wait_for(lambda r: r[1] == version, 120, "the canary served", start=v0_at)
-        deadline = time.monotonic() + 240
-        sent = canary_at
-        decided = []
-        while time.monotonic() < deadline and not decided:
-            batch = [r for r in load.since(sent) if r[0] == 200 and r[1] in (0, version)]
-            sent += len(load.since(sent))
-            send_feedback(server.feedback_url, key, batch)
-            decided = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base
-                                  and e.record["version"] == version and e.record["status"] != "CANDIDATE",
-                                  timeout_s=3)
-        assert decided, "the canary was never decided"
+        sent = [canary_at]
+
+        def feedback_until_decided() -> list:
+            """Feedback on what was served since the last call, then the canary's decision if it is out."""
+            results = load.since(sent[0])
+            sent[0] += len(results)
+            send_feedback(server.feedback_url, key, [r for r in results if r[0] == 200 and r[1] in (0, version)])
+            return find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base
+                               and e.record["version"] == version and e.record["status"] != "CANDIDATE",
+                               timeout_s=3)
+
+        decided = wait(feedback_until_decided, 240, "the canary's decision", poll_s=0)
         decision = decided[-1].record
         assert decision["status"] == "ROLLED_BACK", decision
         assert decision["metrics"]["canary_candidate_accept_rate"] < decision["metrics"]["canary_baseline_accept_rate"]
         assert decision["metrics"]["canary_candidate_episodes"] >= 6
-        # Serving drops the canary: after a moment every request is answered by version 0 again.
-        time.sleep(3)
-        tail_start = len(load.since(0))
-        time.sleep(3)
-        tail = load.since(tail_start)
-        assert tail and {r[1] for r in tail} == {0}, {r[1] for r in tail}
+        # Serving drops the canary: from some request on, every answer is version 0 again — eight in a row,
+        # and it stays so for the sixteen after them.
+        zero_from = wait(lambda: load.zero_from(sent[0], 8), 60, "eight answers in a row from version 0")
+        wait(lambda: len(load.since(zero_from)) >= 24, 60, "sixteen more answers")
+        tail = load.since(zero_from)
+        assert {r[1] for r in tail} == {0}, [r[1] for r in tail]
     finally:
         load.stop()
         stop(trainer)
