@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 
 
@@ -33,12 +32,10 @@ class ThreadServer:
 
 def find_events(settings, topic: str, predicate, want: int = 1, timeout_s: float = 30.0) -> list:
     """Events on ``topic`` matching ``predicate``, polling until ``want`` are there (or the time is up)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = [r.event for r in read_topic(settings, topic) if r.event is not None and predicate(r.event)]
-        if len(found) >= want or time.monotonic() > deadline:
-            return found
-        time.sleep(0.3)
+    from tests.system_helpers import poll
+
+    return poll(lambda: [r.event for r in read_topic(settings, topic) if r.event is not None and predicate(r.event)],
+                lambda found: len(found) >= want, timeout_s, 0.3)
 
 
 def unique(prefix: str) -> str:

@@ -33,18 +33,24 @@ def row(status: dict, name: str) -> dict:
     return next(r for r in status["components"] if r["component"] == name)
 
 
-def wait(predicate, timeout_s: float, what: str, explain=None, poll_s: float = 0.5):
-    """``predicate()`` once it is truthy; AssertionError after ``timeout_s``, with ``explain()`` appended
-    (what a CI log needs to tell why: a status table, the ends of the logs). The one polling loop of the
-    suite: a test waits on the condition it needs, never on a sleep."""
+def poll(probe, done=bool, timeout_s: float = 30.0, poll_s: float = 0.5):
+    """``probe()`` again every ``poll_s`` until ``done`` of its value or ``timeout_s``; the last value either
+    way, for a caller that asserts on it itself (or that expects nothing to come). The suite's one polling
+    loop: a test waits on the condition it needs, never on a sleep."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = predicate()
-        if value:
+        value = probe()
+        if done(value) or time.monotonic() >= deadline:
             return value
-        if time.monotonic() >= deadline:
-            break
         time.sleep(poll_s)
+
+
+def wait(predicate, timeout_s: float, what: str, explain=None, poll_s: float = 0.5):
+    """``predicate()`` once it is truthy; AssertionError after ``timeout_s``, with ``explain()`` appended
+    (what a CI log needs to tell why: a status table, the ends of the logs)."""
+    value = poll(predicate, bool, timeout_s, poll_s)
+    if value:
+        return value
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}"
                          + (f"\n{explain()}" if explain else ""))
 

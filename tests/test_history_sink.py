@@ -23,6 +23,7 @@ from streams.history import EVENT_FOR_TABLE, HistorySink
 from streams.history_sql import SqlClient
 from tests.conftest import make_settings
 from tests.history_fixture import new_store
+from tests.system_helpers import wait
 
 pytestmark = pytest.mark.kafka
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,9 +63,8 @@ def test_sink_stores_every_event_once_and_commits_after_storing(kafka_settings, 
 
     # A sink that stores two batches and dies before committing the second: the worst moment.
     first = HistorySink(settings, store, topics, group_id=group)
-    deadline = time.monotonic() + 60
-    while first.step() == 0:  # the first polls wait for the group to form
-        assert time.monotonic() < deadline
+    wait(lambda: first.step() != 0, 60, "the first sink's first batch (its first polls wait for the group to form)",
+         poll_s=0)
     def stored_rows() -> int:
         return sum(store.count(t) for t in EVENT_FOR_TABLE) + store.count("rejects")
 
@@ -79,10 +79,13 @@ def test_sink_stores_every_event_once_and_commits_after_storing(kafka_settings, 
     # The next sink gets those messages again and must not store them twice.
     second = HistorySink(settings, store, topics, group_id=group)
     total = sum(want.values()) + 3
-    deadline = time.monotonic() + 60
-    while sum(store.count(t) for t in EVENT_FOR_TABLE) + store.count("rejects") < total:
-        assert time.monotonic() < deadline, "sink did not catch up"
+    def caught_up() -> bool:
+        if stored_rows() >= total:
+            return True
         second.step()
+        return False
+
+    wait(caught_up, 60, "the second sink to catch up", poll_s=0)
     second.close()
     assert stored_before < total
     for table, n in want.items():
@@ -114,10 +117,9 @@ def test_sink_waits_out_topics_that_do_not_exist_yet(kafka_settings, tmp_path):
         assert runner.is_alive()
         scratch_topics(settings, tag)
         want = produce(settings, topics, 300, seed=5)
-        deadline = time.monotonic() + 60
-        while sum(store.count(t) for t in EVENT_FOR_TABLE) < 300:
-            assert runner.is_alive() and time.monotonic() < deadline
-            time.sleep(0.2)
+        wait(lambda: not runner.is_alive() or sum(store.count(t) for t in EVENT_FOR_TABLE) >= 300, 60,
+             "300 events stored", poll_s=0.2)
+        assert runner.is_alive()
         assert {t: store.count(t) for t in EVENT_FOR_TABLE} == want
     finally:
         stop.set()
@@ -150,16 +152,14 @@ def test_a_fenced_sink_ends_instead_of_waiting_forever(kafka_settings, tmp_path)
     runner.start()
     newer = None
     try:
-        deadline = time.monotonic() + 60
-        while sum(store.count(t) for t in EVENT_FOR_TABLE) < 200:
-            assert time.monotonic() < deadline, "the first sink did not store"
-            time.sleep(0.2)
+        wait(lambda: sum(store.count(t) for t in EVENT_FOR_TABLE) >= 200, 60, "the first sink to store", poll_s=0.2)
         newer = HistorySink(settings, store, topics, group_id=f"fenced-{tag}")
         produce(settings, topics, 50, seed=10)
-        deadline = time.monotonic() + 120
-        while runner.is_alive() and time.monotonic() < deadline:
-            newer.step()
-        assert not runner.is_alive(), "the fenced sink went on waiting"
+        def older_ended() -> bool:
+            newer.step()  # the newer sink's polls are what fence the older one
+            return not runner.is_alive()
+
+        wait(older_ended, 120, "the fenced sink to end (not go on waiting)", poll_s=0)
         assert failure and "failed for good" in str(failure[0]), failure
     finally:
         stop.set()
@@ -211,29 +211,26 @@ class SinkProcess:
             return None  # not up yet
 
     def wait_for(self, predicate, timeout_s: float = 120.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def counted():
             assert self.proc.poll() is None, f"sink exited: {self.log.read_text()[-3000:]}"
             counts = self.counts()
-            if counts is not None and predicate(counts):
-                return counts
-            time.sleep(0.05)
-        raise AssertionError(f"timed out; last counts {self.counts()}; log: {self.log.read_text()[-2000:]}")
+            return counts if counts is not None and predicate(counts) else None
+
+        return wait(counted, timeout_s, "the counts", poll_s=0.05,
+                    explain=lambda: f"last counts {self.counts()}; log: {self.log.read_text()[-2000:]}")
 
     def health_until(self, predicate, timeout_s: float = 60.0) -> dict:
         import httpx
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def healthy():
             assert self.proc.poll() is None, f"sink exited: {self.log.read_text()[-3000:]}"
             try:
                 health = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).json()
-                if predicate(health):
-                    return health
             except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting on /health; log: {self.log.read_text()[-2000:]}")
+                return None  # not listening yet
+            return health if predicate(health) else None
+
+        return wait(healthy, timeout_s, "/health", poll_s=0.05, explain=lambda: f"log: {self.log.read_text()[-2000:]}")
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -358,12 +355,14 @@ def test_sql_server_needs_the_token_and_refuses_writes(kafka_settings, tmp_path)
     server = HistoryServer(store, "tlh_secret", "127.0.0.1", 0).start()
     try:
         url = f"{server.url}/sql"
-        for _ in range(100):
+        def listening() -> bool:
             try:
                 httpx.get(f"{server.url}/health", timeout=1)
-                break
             except httpx.TransportError:
-                time.sleep(0.05)
+                return False
+            return True
+
+        wait(listening, 5, "the SQL server to listen", poll_s=0.05)
         assert httpx.post(url, json={"query": "SELECT 1"}).status_code == 401
         assert httpx.post(url, json={"query": "SELECT 1"}, headers={"Authorization": "Bearer nope"}).status_code == 401
         auth = {"Authorization": "Bearer tlh_secret"}
