@@ -20,7 +20,7 @@ from starlette.routing import Route
 from infra.settings import Settings
 from serving import feedback, openapi
 from serving.auth import MAX_NAME, KeyStore, Principal, RateLimiter
-from serving.completions import CompletionRun, parse_completion_request
+from serving.completions import CompletionRun, parse_completion_request, parse_fim_request
 from serving.engines.base import Engine
 from serving.http import HTTPProblem, SSEResponse, check_length, read_json
 from serving.publisher import EventPublisher, EventTooLarge
@@ -97,9 +97,9 @@ class FrontDoor:
 
     # -- completions ----------------------------------------------------------------
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request, parse=parse_completion_request) -> Response:
         caller = self.authenticate(request)
-        params = parse_completion_request(await self._body(request), self.settings)
+        params = parse(await self._body(request), self.settings)
         run = CompletionRun(params, self.engine, self.settings, caller.project_id, caller.user_id, self.replica_id)
         run.prepare()  # a prompt we can't serve is a 400 now, not a broken stream later
         self._check_event_fits(run)
@@ -124,6 +124,10 @@ class FrontDoor:
                 self._record(run)
 
         return SSEResponse(payloads(), headers=headers)
+
+    async def fim_completions(self, request: Request) -> Response:
+        """Mistral's FIM API: the same run, auth, events and streaming as /v1/completions."""
+        return await self.completions(request, parse_fim_request)
 
     def _check_event_fits(self, run: CompletionRun) -> None:
         """413 now, before any token, when the CompletionServed event this run ends with could exceed what
@@ -238,6 +242,7 @@ class FrontDoor:
     def completions_app(self) -> Starlette:
         return Starlette(routes=[
             Route("/v1/completions", _guard(self.completions), methods=["POST"]),
+            Route("/v1/fim/completions", _guard(self.fim_completions), methods=["POST"]),
             Route("/v1/models", _guard(self.models)),
             Route("/openapi.json", self._openapi(openapi.completions_document)),
             *self._common(),

@@ -53,6 +53,11 @@ class CompletionParams:
     seed: int | None
     requested_temperature: float | None = None
     """The temperature the client asked for (None: it sent none); ``temperature`` is what is served."""
+    include_usage: bool = False
+    """``stream_options.include_usage``: a streamed answer ends with a chunk carrying ``usage``."""
+    api: str = "completions"
+    """Which response shape: "completions" (OpenAI's legacy text completions) or "fim" (Mistral's FIM API,
+    whose answers are chat-completion shaped)."""
 
 
 def sampling_temperature(requested: float | None, settings: Settings) -> float:
@@ -110,6 +115,8 @@ def parse_completion_request(body, settings: Settings) -> CompletionParams:
     if logprobs is not None and not 0 <= logprobs <= 5:
         raise HTTPProblem(400, "'logprobs' must be between 0 and 5", param="logprobs")
     seed = body_field(body, "seed", int)
+    stream_options = body_field(body, "stream_options", dict, default={})
+    include_usage = body_field(stream_options, "include_usage", bool, default=False, where="stream_options.")
     if seed is not None and not -2**63 <= seed < 2**63:  # what vLLM and torch take: a 64-bit integer
         raise HTTPProblem(400, "'seed' must be a 64-bit integer", param="seed")
     return CompletionParams(
@@ -126,7 +133,24 @@ def parse_completion_request(body, settings: Settings) -> CompletionParams:
         user=body_field(body, "user", str, max_chars=MAX_NAME_CHARS),
         model=body_field(body, "model", str, max_chars=MAX_NAME_CHARS),
         seed=seed,
+        include_usage=include_usage,
     )
+
+
+def parse_fim_request(body, settings: Settings) -> CompletionParams:
+    """Validate a ``/v1/fim/completions`` body, Mistral's FIM API (what openai-adapters' ``fimStream`` and
+    Continue's FIM providers send): ``prompt`` is the text before the cursor, ``suffix`` the text after
+    it (none: empty), ``max_completion_tokens`` stands for ``max_tokens``, ``random_seed`` for ``seed``.
+    The rest is /v1/completions' request, checked by its parser."""
+    if not isinstance(body, dict):
+        raise HTTPProblem(400, "request body must be a JSON object")
+    body = dict(body)
+    body.setdefault("suffix", "")
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        body["max_tokens"] = body["max_completion_tokens"]
+    if body.get("seed") is None and body.get("random_seed") is not None:
+        body["seed"] = body["random_seed"]
+    return replace(parse_completion_request(body, settings), api="fim")
 
 
 @dataclass
@@ -224,6 +248,11 @@ class CompletionRun:
 
     def chunk(self, text: str, steps: list[TokenStep], finish_reason: str | None) -> dict:
         choice: dict = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.params.api == "fim":
+            # Mistral's FIM answers are chat completions: the text is the assistant's content (a delta when
+            # streamed); ``text`` stays too, for clients that read FIM answers as text completions.
+            message = {"role": "assistant", "content": text}
+            choice["delta" if self.params.stream else "message"] = message
         if self.params.logprobs is not None:
             tok = self.engine.tokenizer
             choice["logprobs"] = {"tokens": [tok.decode([s.token_id]) for s in steps],
@@ -234,8 +263,19 @@ class CompletionRun:
             if not self._prompt_ids_sent:  # as vLLM does: the ids this server fed the model, once
                 choice["prompt_token_ids"] = self.prompt_ids
                 self._prompt_ids_sent = True
-        return {"id": self.completion_id, "object": "text_completion", "created": self.created,
+        return {"id": self.completion_id, "object": self._object(), "created": self.created,
                 "model": self.params.model or self.engine.model_name, "choices": [choice]}
+
+    def _object(self) -> str:
+        if self.params.api == "fim":
+            return "chat.completion.chunk" if self.params.stream else "chat.completion"
+        return "text_completion"
+
+    def usage(self) -> dict:
+        """OpenAI's usage: the prompt's tokens as the model was fed them, the completion's as generated."""
+        prompt = len(self.prompt_ids or (self.generation.prompt_ids if self.generation else []))
+        return {"prompt_tokens": prompt, "completion_tokens": len(self.token_ids),
+                "total_tokens": prompt + len(self.token_ids)}
 
     async def sse_payloads(self) -> AsyncIterator[bytes]:
         """The streaming response: one chunk per safe piece of text, the last with the finish reason."""
@@ -244,13 +284,17 @@ class CompletionRun:
             if text or (steps and wants_tokens):
                 yield json.dumps(self.chunk(text, steps, None)).encode()
         yield json.dumps(self.chunk("", [], self.finish_reason)).encode()
+        if self.params.include_usage:  # as OpenAI: one more chunk, no choices, the usage
+            yield json.dumps({"id": self.completion_id, "object": self._object(), "created": self.created,
+                              "model": self.params.model or self.engine.model_name, "choices": [],
+                              "usage": self.usage()}).encode()
 
     async def complete(self) -> dict:
         all_steps = []
         async for _, steps in self.pieces():
             all_steps.extend(steps)
         body = self.chunk(self.text, all_steps, self.finish_reason)
-        body["usage"] = {"completion_tokens": len(self.token_ids)}
+        body["usage"] = self.usage()
         return body
 
     def event(self) -> Event:

@@ -57,7 +57,17 @@ COMPLETION = {"type": "object", "required": ["id", "object", "created", "model",
     "id": {"type": "string", "pattern": "^cmpl-", "description": "our completion id: send it back as feedback"},
     "object": {"type": "string", "enum": ["text_completion"]}, "created": {"type": "integer"},
     "model": {"type": "string"}, "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": CHOICE},
-    "usage": {"type": "object", "properties": {"completion_tokens": {"type": "integer", "minimum": 0}}}}}
+    "usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+              "properties": {k: {"type": "integer", "minimum": 0}
+                             for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}}}
+
+# Mistral's FIM answer: a chat completion (``message`` whole, ``delta`` streamed), with ``text`` as well.
+FIM_CHOICE = {**CHOICE, "properties": {**CHOICE["properties"], **{part: {
+    "type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string"}}}
+    for part in ("message", "delta")}}}
+FIM_COMPLETION = {**COMPLETION, "properties": {
+    **COMPLETION["properties"], "object": {"type": "string", "enum": ["chat.completion", "chat.completion.chunk"]},
+    "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": FIM_CHOICE}}}
 
 COMPLETION_REQUEST = {
     "type": "object", "required": ["prompt"], "additionalProperties": True,
@@ -82,6 +92,23 @@ COMPLETION_REQUEST = {
         "stream": {"type": "boolean", "default": False},
         "return_token_ids": {"type": "boolean", "default": False},
         "user": NAME,
+        "stream_options": {"type": "object", "properties": {"include_usage": {
+            "type": "boolean", "default": False,
+            "description": "streamed: a last chunk with no choices carries `usage`"}}},
+    },
+}
+
+FIM_REQUEST = {
+    "type": "object", "required": ["prompt"], "additionalProperties": True,
+    "description": "Mistral's FIM request, as openai-adapters' fimStream and Continue's FIM providers send it "
+                   "(other fields are ignored)",
+    "properties": {
+        **{k: COMPLETION_REQUEST["properties"][k] for k in ("model", "max_tokens", "temperature", "top_p", "stop",
+                                                             "stream", "stream_options", "seed", "user")},
+        "prompt": {"type": "string", "minLength": 1, "description": "the text before the cursor"},
+        "suffix": {"type": "string", "default": "", "description": "the text after the cursor"},
+        "max_completion_tokens": {"type": "integer", "minimum": 1, "description": "stands for max_tokens"},
+        "random_seed": {"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1, "description": "stands for seed"},
     },
 }
 
@@ -91,7 +118,7 @@ FORK_FIELDS = {
     "prompt": {"type": "string"}, "completion": {"type": "string", "description": "the text as the IDE showed it"},
     "modelProvider": NAME, "modelName": NAME, "uniqueId": ID,
     "accepted": {"type": "boolean"}, "time": {"type": "number", "minimum": 0, "maximum": 2**63 - 1,
-             "description": "ms from showing to the decision"},
+             "description": "ms Continue took to generate the suggestion (not to the decision)"},
     "numLines": {"type": "integer"}, "cacheHit": {"type": "boolean"}, "timestamp": {"type": "string"},
 }
 FORK_PAYLOAD = {"type": "object", "required": ["accepted"], "properties": FORK_FIELDS, "additionalProperties": True}
@@ -194,6 +221,18 @@ def completions_document(settings: Settings, port: int | None = None) -> dict:
                                 "description": "each event's data is a Completion chunk as JSON; the last is "
                                                "[DONE]. Never a comment line (Continue ends at `: ping`)"}}}},
                 **REFUSALS}}},
+        "/v1/fim/completions": {"post": {
+            "operationId": "createFimCompletion", "summary": "a code completion between a prefix and a suffix, "
+                                                             "Mistral's FIM API (streamed when `stream` is true)",
+            "parameters": [PROJECT_HEADER], "requestBody": _json_body("#/components/schemas/FimRequest"),
+            "responses": {"200": {
+                "description": "the completion; headers X-Tabloop-Completion-Id and X-Tabloop-Policy-Version",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/FimCompletion"}},
+                            "text/event-stream": {"schema": {
+                                "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+                                "description": "each event's data is a FimCompletion chunk as JSON; the last "
+                                               "is [DONE]"}}}},
+                **REFUSALS}}},
         "/v1/models": {"get": {
             "operationId": "listModels", "summary": "the model being served and its policy version",
             "parameters": [PROJECT_HEADER],
@@ -204,7 +243,8 @@ def completions_document(settings: Settings, port: int | None = None) -> dict:
                 **{k: v for k, v in REFUSALS.items() if k in ("401", "403", "429")}}}},
     }
     return _document("tabloop completions", settings, port or settings.completions_port, paths,
-                     {"CompletionRequest": COMPLETION_REQUEST, "Completion": COMPLETION})
+                     {"CompletionRequest": COMPLETION_REQUEST, "Completion": COMPLETION, "FimRequest": FIM_REQUEST,
+                      "FimCompletion": FIM_COMPLETION})
 
 
 def feedback_document(settings: Settings, port: int | None = None) -> dict:
