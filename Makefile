@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tabloop-installed
 
-.PHONY: up down status test drills install kafka-jars bench clean
+.PHONY: up down status test drills install kafka-jars continue-harness bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,17 @@ down: install
 status: install
 	$(BIN)/tabloop status
 
+# Continue's own client code for the contract tests (tests/continue/), pinned by its lockfile; reinstalled
+# when the lockfile changes. No install scripts run; the tests themselves never reach the network.
+CONTINUE_STAMP := tests/continue/node_modules/.package-lock.json
+$(CONTINUE_STAMP): tests/continue/package-lock.json
+	npm ci --prefix tests/continue --ignore-scripts --no-audit --no-fund
+	touch $@
+
+continue-harness: $(CONTINUE_STAMP)
+
 # The test session starts its own broker on a free port and stops it at the end.
-test: kafka-jars
+test: kafka-jars continue-harness
 	$(BIN)/python -m pytest
 
 # Long end-to-end runs: the streams worker on 10k/10k events, SIGKILL mid-stream, dead letters;
