@@ -6,6 +6,7 @@ pipeline over the events the front door put on Kafka. `make test` installs the N
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -246,3 +247,52 @@ def test_endpoints_in_the_config_are_the_systems(tmp_path):
     text = continue_config(endpoints(s), "sk-x")
     assert "apiBase: http://127.0.0.1:9181/v1" in text
     assert "destination: http://127.0.0.1:9182/api/continue/events" in text and "apiKey: sk-x" in text
+
+
+# -- generator reuse through the real worker ---------------------------------------------------------------
+
+@pytest.mark.timeout(300)  # a broker and a worker starting on shared cores
+def test_the_streams_worker_joins_a_reused_suggestion(own_kafka, tmp_path):
+    """The Faust worker's path (prompt stage, then the reuse key, then the episode stage), not only the pure
+    pipeline: a Continue acceptance of a reused suggestion, as the front door stores it, becomes a matched
+    episode credited to the version that served it."""
+    from datetime import datetime, timezone
+
+    from infra.bus import EventProducer, read_topic
+    from schemas.events import new_event
+    from tests.test_streams import start_worker, stop
+    from tests.system_helpers import wait
+
+    settings = make_settings(tmp_path, kafka_bootstrap=own_kafka.settings.kafka_bootstrap, join_window_s=60,
+                             join_lateness_s=2, idle_close_s=3)
+    ensure_topics(settings)
+    prefix, text = "def add(a, b):\n", "    return a + b"
+    prompt = continue_prompt(prefix, "src/m.py")
+    now = datetime.now(timezone.utc)
+    served = new_event(
+        "CompletionServed", completion_id="cmpl-reuse", served_at=now, project_id="acme", user_id="dev",
+        model="tiny", policy_version=3, prompt=prompt, prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(),
+        prefix=prefix, suffix=FIM_SUFFIX, filepath="src/m.py", completion_text=text,
+        completion_token_ids=[11, 12, 13], completion_logprobs=[-0.1, -0.2, -0.3], completion_token_ends=[6, 12, 16],
+        finish_reason="stop", aborted=False, temperature=0.7, top_p=1.0, max_tokens=16, ttft_ms=1.0,
+        latency_ms=2.0, replica_id="r")
+    body = {"name": "autocomplete", "schema": "0.2.0", "level": "all",
+            "data": autocomplete(continue_prompt(prefix + "    ret", "src/m.py"), "urn a + b", True, "src/m.py",
+                                 "reuse-1")}
+    fb = feedback.from_continue_data(body, project_id="acme", user_id="dev")
+    worker = start_worker(settings, "streams.log")
+    try:
+        with EventProducer(settings) as producer:
+            producer.publish(served)
+            producer.publish(fb)
+
+        def episode():
+            found = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+            return found or None
+
+        [ep] = wait(episode, 150, "the reused suggestion's episode")
+    finally:
+        stop(worker)
+    assert (ep["completion_id"], ep["matched"], ep["policy_version"], ep["outcome"], ep["reward"]) == (
+        "cmpl-reuse", True, 3, "ACCEPTED", 0.75)
+    assert ep["completion_text"] == text and ep["completion_token_ids"] == [11, 12, 13]
