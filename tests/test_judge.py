@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from streams.judge import (JudgeClient, JudgeConfig, JudgeParseError, JudgeResult, build_judge_messages, cache_key,
                            parse_score, retry_after_s)
+from tests.system_helpers import poll
 
 API_KEY = "sk-judge-test"
 MODEL = "judge-model"
@@ -57,11 +58,9 @@ class FakeJudgeAPI:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the fake judge API did not start")
-            time.sleep(0.01)
+        poll(lambda: self._server.started or not self._thread.is_alive(), timeout_s=10, poll_s=0.01)
+        if not self._server.started:
+            raise RuntimeError("the fake judge API did not start")
 
     def reset(self) -> None:
         self.script: list[Reply] = []  # answered in order; then ``default`` for every request
@@ -265,7 +264,9 @@ def test_unreachable_api_is_an_error_after_retries():
 
 
 def test_concurrency_is_bounded(api):
-    api.default = Reply("SCORE: 7", delay_s=0.1)
+    # Each answer takes 0.5 s, so that all three slots are taken before the first answer frees one even on a
+    # loaded machine (at 0.1 s a CI run saw only two in flight).
+    api.default = Reply("SCORE: 7", delay_s=0.5)
     calls = [(PREFIX, SUFFIX, f"return a + b  # {i}") for i in range(20)]
 
     async def go():

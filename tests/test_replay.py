@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -23,6 +22,7 @@ from streams.replay import canonical, derive_episodes, parse_offset
 from streams.rewards import RewardSpec, RewardSpecs
 from tests.conftest import make_settings
 from tests.history_fixture import new_store
+from tests.system_helpers import wait
 
 pytestmark = pytest.mark.kafka
 LOGPROBS = [-0.5, -0.25, -1.0, -0.125]  # exact in Avro's float, so in-memory and stored records agree
@@ -88,10 +88,13 @@ def history(kafka, tmp_path_factory):
     def stored(table: str) -> int:
         return store.query(f"SELECT uniqExact(event_id) FROM {store.database}.{table} WHERE {projects}").rows[0][0]
 
-    deadline = time.monotonic() + 120
-    while stored("completions") < len(completions) or stored("feedback") < len(feedback):
-        assert time.monotonic() < deadline, "sink did not store the fixture"
+    def all_stored() -> bool:
+        if stored("completions") >= len(completions) and stored("feedback") >= len(feedback):
+            return True
         sink.step()
+        return False
+
+    wait(all_stored, 120, "the sink to store the fixture", poll_s=0)
     sink.close()
     server = HistoryServer(store, "tlh_replay", "127.0.0.1", 0).start()
     env = {"TABLOOP_KAFKA_BOOTSTRAP": settings.kafka_bootstrap, "TABLOOP_STATE_DIR": str(tmp),

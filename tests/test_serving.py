@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 
 import httpx
 import openai
@@ -15,6 +14,7 @@ from schemas.topics import COMPLETIONS, FEEDBACK
 from serving.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique
+from tests.system_helpers import wait
 
 pytestmark = pytest.mark.kafka
 
@@ -275,10 +275,8 @@ def test_kafka_outage_loses_nothing_acknowledged(served, kafka):
     completions = find_events(served.settings, COMPLETIONS.name,
                               lambda e: e.record["completion_id"] in set(completion_ids), want=20, timeout_s=60)
     assert sorted(e.record["completion_id"] for e in completions) == sorted(completion_ids)
-    deadline = time.monotonic() + 30
-    while served.server.publisher.depth() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert served.server.publisher.depth() == 0 and served.server.publisher.kafka_ok()
+    wait(lambda: served.server.publisher.depth() == 0, 30, "the publisher's queue to drain", poll_s=0.2)
+    assert served.server.publisher.kafka_ok()
 
 
 def test_server_side_caps_and_exploration_temperature(kafka, tiny_model, tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import types
 
 import pytest
@@ -19,6 +18,7 @@ from infra.bus import admin_client, ensure_topics
 from streams.app import ListedHighwatersThread, build_app
 from tests.conftest import make_settings
 from tests.serving_helpers import unique
+from tests.system_helpers import poll
 
 
 @pytest.mark.kafka
@@ -50,10 +50,8 @@ def test_highwaters_of_unfetched_changelog_partitions_are_known_under_exactly_on
                 await consumer.stop()
 
     # The commit markers are written just after commit_transaction returns: the LSO gets to 6 a moment later.
-    deadline = time.monotonic() + 20
-    while (ours := asyncio.run(highwaters(ListedHighwatersThread._highwaters))) != {TopicPartition(topic, 0): 6} \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
+    ours = poll(lambda: asyncio.run(highwaters(ListedHighwatersThread._highwaters)),
+                lambda got: got == {TopicPartition(topic, 0): 6}, timeout_s=20, poll_s=0.2)
     stock = asyncio.run(highwaters(AIOKafkaConsumerThread._highwaters))
     assert list(ours.values()) == [6]
     assert list(stock.values()) in ([None], [-1])  # what made Faust skip the restore

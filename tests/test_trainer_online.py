@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -20,6 +19,7 @@ from schemas.events import new_event
 from schemas.topics import WEIGHTS
 from tests.conftest import TEST_PARTITIONS, make_settings
 from tests.serving_helpers import find_events
+from tests.system_helpers import poll, wait
 from trainer.weight_store import WeightStore, version_event
 
 pytestmark = pytest.mark.kafka
@@ -189,14 +189,14 @@ def _spawn(settings, topic, log_path):
 
 
 def _wait_for(path, text: str, count: int, proc, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def seen() -> bool:
         if path.exists() and path.read_text().count(text) >= count:
-            return
+            return True
         if proc.poll() is not None:
             raise AssertionError(f"trainer exited ({proc.returncode}): {path.read_text()[-3000:]}")
-        time.sleep(0.02)
-    raise AssertionError(f"no {count}x {text!r} in {path}: {path.read_text()[-3000:]}")
+        return False
+
+    wait(seen, timeout_s, f"{count}x {text!r} in {path}", poll_s=0.02, explain=lambda: path.read_text()[-3000:])
 
 
 @pytest.mark.drill  # about 110 s: three trainer processes start on two shared cores
@@ -223,12 +223,7 @@ def test_sigkill_between_and_during_updates(setup, tmp_path):
     proc = _spawn(settings, topic, out)
     try:
         store = WeightStore(settings.effective_weight_store, base)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            manifests = store.manifests()
-            if manifests and manifests[-1].episodes_consumed_total == 64:
-                break
-            time.sleep(0.5)
+        poll(store.manifests, lambda got: got and got[-1].episodes_consumed_total == 64, timeout_s=180)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
