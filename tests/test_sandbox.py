@@ -22,6 +22,7 @@ import pytest
 from streams import sandbox
 from streams.sandbox import (OUTCOMES, SANDBOX_VAR, UID_POOL_BASE, UID_POOL_SIZE, SandboxUnavailable, _execute, _Plan,
                              network_isolation_available, pooled_uid, required_isolation, run_tests)
+from tests.system_helpers import poll, wait
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +55,8 @@ def _sandbox_processes() -> set[int]:
 
 
 def _assert_nothing_left(before: set[int]) -> None:
-    deadline = time.monotonic() + 2  # the kernel may still be tearing the last ones down
-    while (left := _sandbox_processes() - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # the kernel may still be tearing the last ones down
+    left = poll(lambda: _sandbox_processes() - before, lambda left: not left, timeout_s=2, poll_s=0.05)
     assert not left, f"left behind: {left}"
 
 
@@ -472,9 +472,8 @@ def test_a_fork_bomb_does_not_fail_the_runs_beside_it(isolation):
     before = _sandbox_processes()
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         bomb = pool.submit(run_tests, BOMB_THAT_HOLDS_ON, timeout_s=6.0)
-        deadline = time.monotonic() + 20
-        while len(_sandbox_processes() - before) < 32 and not bomb.done() and time.monotonic() < deadline:
-            time.sleep(0.02)  # until the bomb is near its limit
+        wait(lambda: len(_sandbox_processes() - before) >= 32 or bomb.done(), 20, "the bomb near its limit",
+             poll_s=0.02)
         assert not bomb.done()
         benign = [pool.submit(run_tests, "import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait()\nprint('ok')\n",
                               timeout_s=20.0) for _ in range(4)]

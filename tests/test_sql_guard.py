@@ -17,6 +17,7 @@ from streams.history import HistoryStore
 from streams.history_guard import HistoryBusy, NotReadOnly, QueryLimits, Reader, ReaderPool
 from streams.history_sql import HistoryServer
 from tests.history_fixture import analytics_fixture, insert_events, new_store, row
+from tests.system_helpers import wait
 
 TOKEN = "tlh_guard"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -42,12 +43,14 @@ def server(store):
     store.command("CREATE DATABASE IF NOT EXISTS t_later")
     store.command("CREATE TABLE IF NOT EXISTS t_later.feedback (x UInt8) ENGINE = Memory")
     srv = HistoryServer(store, TOKEN, "127.0.0.1", 0).start()
-    for _ in range(100):
+    def listening() -> bool:
         try:
             httpx.get(f"{srv.url}/health", timeout=1)
-            break
         except httpx.TransportError:
-            time.sleep(0.05)
+            return False
+        return True
+
+    wait(listening, 5, "the SQL server to listen", poll_s=0.05)
     yield srv
     srv.stop()
 
