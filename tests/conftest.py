@@ -13,29 +13,32 @@ from infra.settings import Settings, load_settings
 
 TEST_PARTITIONS = 3
 
-# The drills' total time (`make drills`): CI has 90 minutes and must stay under 60 whatever a regression
-# does, while the drills' own timeouts add up to hours. Once the budget is spent every drill left fails at
-# once, saying so; a drill that starts with less than its own timeout left gets the rest as its timeout.
-# `.ci/run` sets it to what its 60 minutes leave after `make test`.
-DRILL_BUDGET_S = float(os.environ.get("TABLOOP_DRILL_BUDGET_S", 35 * 60))
-DRILL_FLOOR_S = 30  # a drill started with less than this left could not do anything useful
+# A total time for the tests of one session, so that CI stays inside its time whatever a regression does
+# (CI has 90 minutes; the drills' own timeouts alone add up to hours): the drills (`make drills`) get
+# TABLOOP_DRILL_BUDGET_S, the other tests (`make test`) TABLOOP_TEST_BUDGET_S (no limit unless set). A test
+# that starts with less than its own timeout left gets the rest as its timeout; once the budget is spent
+# every test left of that kind fails at once, saying so. `.ci/run` sets both from its 60 minutes.
+BUDGETS_S = {"drill": float(os.environ.get("TABLOOP_DRILL_BUDGET_S", 35 * 60)),
+             "test": float(os.environ.get("TABLOOP_TEST_BUDGET_S", "inf"))}
+BUDGET_VARS = {"drill": "TABLOOP_DRILL_BUDGET_S", "test": "TABLOOP_TEST_BUDGET_S"}
+BUDGET_FLOOR_S = 30  # a test started with less than this left could not do anything useful
 
-
-_drills_started = pytest.StashKey[float]()
-_budget_spent = pytest.StashKey[float]()
+_budget_started = pytest.StashKey[dict]()
+_budget_spent = pytest.StashKey[tuple]()
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """Runs before pytest-timeout reads the test's timeout (its own hookwrapper, which this one wraps)."""
-    if item.get_closest_marker("drill") is not None:
-        started = item.config.stash.setdefault(_drills_started, time.monotonic())
-        left = DRILL_BUDGET_S - (time.monotonic() - started)
+    kind = "drill" if item.get_closest_marker("drill") is not None else "test"
+    if BUDGETS_S[kind] != float("inf"):
+        started = item.config.stash.setdefault(_budget_started, {}).setdefault(kind, time.monotonic())
+        left = BUDGETS_S[kind] - (time.monotonic() - started)
         marker = item.get_closest_marker("timeout")
         own = (marker.args[0] if marker and marker.args else None) or item.config.getoption("timeout", None) \
             or item.config.getini("timeout")
-        if left < DRILL_FLOOR_S:
-            item.stash[_budget_spent] = DRILL_BUDGET_S - left
+        if left < BUDGET_FLOOR_S:
+            item.stash[_budget_spent] = (kind, BUDGETS_S[kind] - left)
         elif not own or float(own) > left:
             item.add_marker(pytest.mark.timeout(int(left)), append=False)
     yield
@@ -44,8 +47,9 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     if _budget_spent in item.stash:
-        pytest.fail(f"not run: the drills' time budget (TABLOOP_DRILL_BUDGET_S={DRILL_BUDGET_S:.0f} s) is spent "
-                    f"({item.stash[_budget_spent]:.0f} s since the first drill started)", pytrace=False)
+        kind, used = item.stash[_budget_spent]
+        pytest.fail(f"not run: the time budget of the {kind}s ({BUDGET_VARS[kind]}={BUDGETS_S[kind]:.0f} s) is "
+                    f"spent ({used:.0f} s since the first started)", pytrace=False)
 
 
 def make_settings(tmp_path, **overrides) -> Settings:
