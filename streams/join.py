@@ -112,6 +112,9 @@ def shown_part(completion: dict, shown: str | None) -> tuple[str, list[int], lis
     return shown, ids[:kept], logprobs[:kept]
 
 
+REUSE_PREFIX_TAIL_CHARS = 4096
+"""How much of a reuse candidate's prefix is kept (its end): enough for Continue's pruned prefixes (a share
+of maxPromptTokens, 1,024 by default), bounded for any other client's."""
 REUSE_MARK = "reuse:"
 """How a reuse key's third part starts: a prompt hash (hex) never does."""
 
@@ -173,7 +176,8 @@ class PromptMatcher:
                      "text": completion["completion_text"]}
         if self.reuse:  # the prefix's length and hash: enough to recognise it, small to keep
             prefix = _cursor(completion)[0]
-            candidate.update(prefix_chars=len(prefix), prefix_sha256=_sha(prefix))
+            candidate.update(prefix_chars=len(prefix), prefix_sha256=_sha(prefix),
+                             prefix_tail=prefix[-REUSE_PREFIX_TAIL_CHARS:])
         self.candidates.setdefault(k, []).append(candidate)
         resolved, still = [], []
         for fb in self.waiting.pop(k, []):
@@ -212,14 +216,26 @@ class PromptMatcher:
 
     @staticmethod
     def _typed(c: dict, fb: dict) -> str | None:
-        """What the user typed of candidate ``c`` before Continue logged ``fb`` on it: the feedback's prefix
-        is the completion's prefix plus a non-empty start of the completion's text; None if it is not."""
+        """What the user typed of candidate ``c`` before Continue logged ``fb`` on it, or None if ``fb`` is
+        not about ``c``: the feedback's prefix is the completion's prefix plus a non-empty start of the
+        completion's text. Continue prunes the prefix to its token budget by whole lines from the top, so
+        the longer prefix may also have lost top lines: then what precedes the typed text is a part of
+        the served prefix that starts a line and runs to its end."""
         prefix = _cursor(fb)[0]
         n = c.get("prefix_chars")
-        if n is None or len(prefix) <= n or _sha(prefix[:n]) != c["prefix_sha256"]:
+        if n is None:
             return None
-        typed = prefix[n:]
-        return typed if c["text"].startswith(typed) else None
+        text = c["text"]
+        if len(prefix) > n and _sha(prefix[:n]) == c["prefix_sha256"]:
+            typed = prefix[n:]
+            return typed if text.startswith(typed) else None
+        tail = c.get("prefix_tail", "")
+        for k in range(min(len(text), len(prefix)), 0, -1):  # the longest typed start first
+            kept = prefix[:-k]
+            if (prefix.endswith(text[:k]) and kept and len(kept) < n and tail.endswith(kept)
+                    and tail[len(tail) - len(kept) - 1] == "\n"):
+                return text[:k]
+        return None
 
     def expire(self) -> list[dict]:
         """Feedback whose wait is over (unmatched); forgets candidates older than the window."""

@@ -241,3 +241,14 @@ def test_time_to_decision_is_ours_served_at_to_received_at():
     api = {**feedback(9000, cid="nope", shown=None, prompt=None), "time_to_decision_ms": 420}
     eps, _ = run([("f", api), ("c", completion("tick", 200_000))])
     assert [(e.record["matched"], e.record["time_to_decision_ms"]) for e in eps] == [(False, 420)]
+
+
+def test_reuse_after_continue_pruned_top_lines_of_the_longer_prefix():
+    # Continue prunes the prefix to its token budget by whole lines from the top: the rebuilt prompt for
+    # the longer prefix may have lost the served one's first line.
+    served = fim_completion("c1", 0, "import os\nimport sys\ndef add(a, b):\n", "    return a + b")
+    fb = feedback(2000, shown="urn a + b", prompt=fim("import sys\ndef add(a, b):\n    ret"), client_id="k1")
+    cut_mid_line = feedback(2001, shown="urn a + b", prompt=fim("port sys\ndef add(a, b):\n    ret"), client_id="k2")
+    eps, counts = run([("c", served), ("f", fb), ("f", cut_mid_line), ("c", completion("later", 120_000))])
+    assert sorted((e.record["completion_id"], e.record["matched"]) for e in eps)[0] == ("c1", True)
+    assert [e.record["matched"] for e in eps].count(True) == 1 and counts["unmatched"] == 1
