@@ -73,14 +73,17 @@ def worker_lag(settings, group: str = "tabloop-streams", probes=None) -> int | N
 
 class Quiet:
     """A predicate for ``wait`` that also ends once waiting longer cannot help: ``count()`` and the worker's
-    lag have both stood still for ``grace_s`` (at lag 0: it read all its input and published what it had;
-    above 0: it is stuck) — or the worker exited. ``wait`` then returns ``"settled"``, ``"stalled"`` or
-    ``"exited"`` and the caller's own assertion says what is missing, in ``grace_s`` rather than at the end
-    of a long timeout. ``grace_s`` must cover what the worker holds back after reading (open windows)."""
+    lag have both stood still, at lag 0 for ``grace_s`` (it read all its input and published what it had)
+    or above 0 for ``stall_s`` (it is stuck; longer, as a worker (re)joining its group stands still a
+    while too) — or the worker exited. ``wait`` then returns ``"settled"``, ``"stalled"`` or ``"exited"``
+    and the caller's own assertion says what is missing, rather than at the end of a long timeout.
+    ``grace_s`` must cover what the worker holds back after reading (open windows)."""
 
-    def __init__(self, settings, count, want: int, grace_s: float, proc=None, group: str = "tabloop-streams"):
+    def __init__(self, settings, count, want: int, grace_s: float, proc=None, group: str = "tabloop-streams",
+                 stall_s: float = 300.0):
         self.settings, self.count, self.want, self.grace_s, self.proc, self.group = \
             settings, count, want, grace_s, proc, group
+        self.stall_s = max(stall_s, grace_s)
         self.last, self.since = None, time.monotonic()
         from infra.supervisor import KafkaProbeProcess
 
@@ -99,8 +102,11 @@ class Quiet:
         if (n, lag) != self.last:
             self.last, self.since = (n, lag), time.monotonic()
             return None
-        if time.monotonic() - self.since > self.grace_s:
-            return "settled" if lag == 0 else "stalled"
+        still = time.monotonic() - self.since
+        if lag == 0 and still > self.grace_s:
+            return "settled"
+        if still > self.stall_s:
+            return "stalled"
         return None
 
 
