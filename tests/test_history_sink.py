@@ -21,6 +21,7 @@ from schemas.examples import example_event
 from schemas.topics import KEEP_FOREVER, Topic
 from streams.history import EVENT_FOR_TABLE, HistorySink
 from streams.history_sql import SqlClient
+from infra.local import wait_ready
 from tests.conftest import make_settings
 from tests.history_fixture import new_store
 from tests.system_helpers import wait
@@ -355,14 +356,7 @@ def test_sql_server_needs_the_token_and_refuses_writes(kafka_settings, tmp_path)
     server = HistoryServer(store, "tlh_secret", "127.0.0.1", 0).start()
     try:
         url = f"{server.url}/sql"
-        def listening() -> bool:
-            try:
-                httpx.get(f"{server.url}/health", timeout=1)
-            except httpx.TransportError:
-                return False
-            return True
-
-        wait(listening, 5, "the SQL server to listen", poll_s=0.05)
+        assert wait_ready(f"{server.url}/health", 5), "the SQL server did not answer"
         assert httpx.post(url, json={"query": "SELECT 1"}).status_code == 401
         assert httpx.post(url, json={"query": "SELECT 1"}, headers={"Authorization": "Bearer nope"}).status_code == 401
         auth = {"Authorization": "Bearer tlh_secret"}

@@ -13,11 +13,11 @@ import time
 import httpx
 import pytest
 
+from infra.local import wait_ready
 from streams.history import HistoryStore
 from streams.history_guard import HistoryBusy, NotReadOnly, QueryLimits, Reader, ReaderPool
 from streams.history_sql import HistoryServer
 from tests.history_fixture import analytics_fixture, insert_events, new_store, row
-from tests.system_helpers import wait
 
 TOKEN = "tlh_guard"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -43,14 +43,7 @@ def server(store):
     store.command("CREATE DATABASE IF NOT EXISTS t_later")
     store.command("CREATE TABLE IF NOT EXISTS t_later.feedback (x UInt8) ENGINE = Memory")
     srv = HistoryServer(store, TOKEN, "127.0.0.1", 0).start()
-    def listening() -> bool:
-        try:
-            httpx.get(f"{srv.url}/health", timeout=1)
-        except httpx.TransportError:
-            return False
-        return True
-
-    wait(listening, 5, "the SQL server to listen", poll_s=0.05)
+    assert wait_ready(f"{srv.url}/health", 5), "the SQL server did not answer"
     yield srv
     srv.stop()
 
