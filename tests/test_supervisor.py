@@ -278,7 +278,7 @@ def test_up_serves_learns_restarts_and_down_leaves_nothing(tiny_model, tmp_path)
                              feedback_port=free_port(), history_port=free_port(), topic_partitions=TEST_PARTITIONS,
                              model=tiny_model)  # no default port: a developer's `tabloop up` may hold it
     try:
-        up = _cli(settings, "up", timeout=600)
+        up = _cli(settings, "up", timeout=300)  # inside the test's 600 s, with time left for the rest
         assert up.returncode == 0, up.stdout + up.stderr
         key = re.search(r"apiKey: (tlk_\S+)", up.stdout).group(1)
         assert f"apiBase: http://127.0.0.1:{settings.completions_port}/v1" in up.stdout
