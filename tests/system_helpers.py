@@ -72,10 +72,10 @@ def worker_lag(settings, group: str = "tabloop-streams", probes=None) -> int | N
 
 
 class Quiet:
-    """A predicate for ``wait`` that also ends once waiting longer cannot help: ``count()`` and the worker's
-    lag have both stood still, at lag 0 for ``grace_s`` (it read all its input and published what it had)
-    or above 0 for ``stall_s`` (it is stuck; longer, as a worker (re)joining its group stands still a
-    while too) — or the worker exited. ``wait`` then returns ``"settled"``, ``"stalled"`` or ``"exited"``
+    """A predicate for ``wait`` that also ends once waiting longer cannot help: ``count()``, the worker's lag
+    and its group have all stood still, at lag 0 in a stable group for ``grace_s`` (it read all its input and
+    published what it had) or otherwise for ``stall_s`` (it is stuck; longer, as a worker (re)joining its
+    group stands still a while too) — or the worker exited. ``wait`` then returns ``"settled"``, ``"stalled"`` or ``"exited"``
     and the caller's own assertion says what is missing, rather than at the end of a long timeout.
     ``grace_s`` must cover what the worker holds back after reading (open windows)."""
 
@@ -99,11 +99,17 @@ class Quiet:
         if self.proc is not None and self.proc.poll() is not None:
             return "exited"
         lag = worker_lag(self.settings, self.group, self.probes)
-        if (n, lag) != self.last:
-            self.last, self.since = (n, lag), time.monotonic()
+        # A restarted worker waits for its group (the dead member's session to end), then restores its
+        # state, with lag 0 and nothing new meanwhile: the grace counts from when its group is stable with
+        # the members it has now (a sigkill drill saw a minute of that and ended its wait too early).
+        group = self.probes.ask("group_state", self.group)  # (state, member ids), None when Kafka did not say
+        stable = group is not None and group[0] == "STABLE" and bool(group[1])
+        key = (n, lag, None if group is None else (group[0], frozenset(group[1])))
+        if key != self.last:
+            self.last, self.since = key, time.monotonic()
             return None
         still = time.monotonic() - self.since
-        if lag == 0 and still > self.grace_s:
+        if lag == 0 and stable and still > self.grace_s:
             return "settled"
         if still > self.stall_s:
             return "stalled"
