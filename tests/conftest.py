@@ -15,12 +15,12 @@ TEST_PARTITIONS = 3
 
 # A total time for the tests of one session, so that CI stays inside its time whatever a regression does
 # (CI has 90 minutes; the drills' own timeouts alone add up to hours): the drills (`make drills`) get
-# TABLOOP_DRILL_BUDGET_S, the other tests (`make test`) TABLOOP_TEST_BUDGET_S (no limit unless set). A test
+# CI_DRILL_BUDGET_S, the other tests (`make test`) CI_TEST_BUDGET_S (no limit unless set). A test
 # that starts with less than its own timeout left gets the rest as its timeout; once the budget is spent
 # every test left of that kind fails at once, saying so. `.ci/run` sets both from its 60 minutes.
-BUDGETS_S = {"drill": float(os.environ.get("TABLOOP_DRILL_BUDGET_S", 35 * 60)),
-             "test": float(os.environ.get("TABLOOP_TEST_BUDGET_S", "inf"))}
-BUDGET_VARS = {"drill": "TABLOOP_DRILL_BUDGET_S", "test": "TABLOOP_TEST_BUDGET_S"}
+BUDGETS_S = {"drill": float(os.environ.get("CI_DRILL_BUDGET_S", 35 * 60)),
+             "test": float(os.environ.get("CI_TEST_BUDGET_S", "inf"))}
+BUDGET_VARS = {"drill": "CI_DRILL_BUDGET_S", "test": "CI_TEST_BUDGET_S"}
 BUDGET_FLOOR_S = 30  # a test started with less than this left could not do anything useful
 
 _budget_started = pytest.StashKey[dict]()
