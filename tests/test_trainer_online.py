@@ -181,6 +181,54 @@ def test_unannounced_version_is_published_on_restart(setup):
     assert [(e.record["version"], e.record["status"]) for e in events] == [(1, "PROMOTED")]
 
 
+def test_the_trainer_runs_its_own_canary_and_decides_it_once(setup):
+    """In canary mode the trainer announces a version as a CANDIDATE beside the promoted one, tallies the
+    episodes of both, and publishes the decision once: the weights topic it re-reads (its own CANDIDATE
+    among them) does not bring the decided canary back."""
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 2})
+    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(max_versions=1)
+        announced = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base)
+        assert [(e.record["version"], e.record["status"]) for e in announced] == [(1, "CANDIDATE")]
+        metrics = announced[0].record["metrics"]
+        assert (metrics["canary_share"], metrics["baseline_version"]) == (0.5, 0.0)
+        # Version 1 is rejected, the base model accepted: worse by more than the margin.
+        produce(settings, topic, [episode(tok, 10 + i, "acme", policy_version=1, accepted=False) for i in range(2)]
+                + [episode(tok, 20 + i, "acme", policy_version=0) for i in range(2)])
+        trainer.run(idle_exit_s=3)
+        ids = [r["event_id"] for r in trainer.weight_records]
+        assert len(ids) == len(set(ids)), "a WeightVersion record kept twice"
+    finally:
+        trainer.close()
+    decisions = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base
+                                                and e.record["version"] == 1 and e.record["status"] != "CANDIDATE")]
+    assert [d["status"] for d in decisions] == ["ROLLED_BACK"]
+    assert decisions[0]["metrics"]["canary_candidate_accept_rate"] == 0.0
+    assert decisions[0]["metrics"]["canary_baseline_accept_rate"] == 1.0
+
+
+def test_without_auto_promote_a_version_waits_as_a_candidate(setup):
+    """``TABLOOP_AUTO_PROMOTE=false`` and no canary: the version is announced, and nothing serves it."""
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    settings = settings.model_copy(update={"auto_promote": False})
+    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(max_versions=1)
+    finally:
+        trainer.close()
+    events = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base)
+    assert [(e.record["version"], e.record["status"]) for e in events] == [(1, "CANDIDATE")]
+    assert "canary_share" not in events[0].record["metrics"]
+
+
 def _spawn(settings, topic, log_path):
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **to_environ(settings),
            "PYTHONPATH": os.getcwd()}

@@ -160,6 +160,7 @@ class OnlineTrainer:
         self.producer = EventProducer(settings, client_id="tabloop-trainer")
         self.codec = make_codec(settings)
         self.weight_records: list[dict] = []
+        self._weight_event_ids: set = set()
         self.canary: CanaryTally | None = None
         self.writer = None
         try:
@@ -234,7 +235,9 @@ class OnlineTrainer:
 
     def run(self, *, max_versions: int | None = None, idle_exit_s: float | None = None) -> None:
         """Train until stopped (``stop()``, or ``max_versions`` new versions, or idle ``idle_exit_s`` — tests)."""
-        self.weight_records = read_weight_records(self.settings)
+        self.weight_records, self._weight_event_ids = [], set()
+        for record in read_weight_records(self.settings):
+            self._new_weight_record(record)
         self._publish_unannounced()
         self._refresh_canary()
         self._follow_rollbacks()
@@ -244,8 +247,8 @@ class OnlineTrainer:
         try:
             while not self.stop_event.is_set():
                 for m in weights.consume(100, 0):
-                    if m.error() is None and (r := decode_message(self.codec, m)) and r.event is not None:
-                        self.weight_records.append(r.event.record)
+                    if m.error() is None and (r := decode_message(self.codec, m)) and r.event is not None \
+                            and self._new_weight_record(r.event.record):
                         self._refresh_canary()
                         self._follow_rollbacks()
                 batch = episodes.consume(500, 1.0)
@@ -255,6 +258,9 @@ class OnlineTrainer:
                         continue
                     last_activity = time.monotonic()
                     self._take(received)
+                    # Judged as the episodes come, before an update: announcing the next version would
+                    # replace this canary with a new one, undecided.
+                    self._judge_canary()
                     if len(self.pending.samples) >= self.settings.trainer_batch_size:
                         published += self._update_and_maybe_save(episodes)
                 if self.pending.samples and time.monotonic() - self.pending.first_at >= self.settings.trainer_batch_wait_s:
@@ -269,6 +275,16 @@ class OnlineTrainer:
         finally:
             episodes.close()
             weights.close()
+
+    def _new_weight_record(self, record: dict) -> bool:
+        """Keep a WeightVersion record unless it is one already kept. The weights consumer reads the topic
+        from its start, after ``run`` read it whole, and it reads back what this trainer published: a
+        replayed CANDIDATE after its decision would bring a decided canary back to life."""
+        if record["event_id"] in self._weight_event_ids:
+            return False
+        self._weight_event_ids.add(record["event_id"])
+        self.weight_records.append(record)
+        return True
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -405,7 +421,7 @@ class OnlineTrainer:
         event = version_event(manifest, status, extra)
         self.producer.publish(event)
         self.producer.flush()
-        self.weight_records.append(event.record)
+        self._new_weight_record(event.record)
         self._refresh_canary()
 
     def _publish_unannounced(self) -> None:
@@ -452,7 +468,7 @@ class OnlineTrainer:
             event = new_event("WeightVersion", **fields, metrics={**record["metrics"], **summary}, status=decision)
         self.producer.publish(event)
         self.producer.flush()
-        self.weight_records.append(event.record)
+        self._new_weight_record(event.record)
         self._follow_rollbacks()
         if self.writer is not None:
             self.writer.add_scalar("canary/promoted", 1.0 if decision == "PROMOTED" else 0.0, tally.candidate)
