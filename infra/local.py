@@ -3,7 +3,6 @@ snippet, a fresh local key."""
 
 from __future__ import annotations
 
-import getpass
 import subprocess
 import time
 from pathlib import Path
@@ -128,10 +127,3 @@ def merge_continue_config(path: Path, addresses: dict, key: str | None) -> Path:
     tmp.write_text(yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=200), encoding="utf-8")
     tmp.replace(path)  # whole or not at all: Continue may read it at any moment
     return backup
-
-
-def new_local_key(keys_file: Path) -> str:
-    """A new key of project 'local' for the user running this, in the key store at ``keys_file``."""
-    from serving.auth import KeyStore
-
-    return KeyStore(keys_file).add("local", getpass.getuser())

@@ -97,7 +97,7 @@ class Settings(BaseModel):
                                 "a uid of its own), isolated refuses to run programs; unsafe runs them anyway, "
                                 "with a warning")
 
-    # -- history (streams/history.py): ClickHouse, SQL over HTTP, the dashboard --
+    # -- history (streams/history/sink.py): ClickHouse, SQL over HTTP, the dashboard --
     history_database: str = Field("tabloop", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                   description="ClickHouse database of the history tables and views")
     history_batch_size: int = Field(5000, ge=1, le=1_000_000, description="events per insert into ClickHouse")
@@ -160,8 +160,6 @@ class Settings(BaseModel):
     @field_validator("history_retention_days")
     @classmethod
     def _retention(cls, v: str) -> str:
-        from streams.history import parse_retention
-
         parse_retention(v)
         return v
 
@@ -292,3 +290,29 @@ def _describe(exc: ValidationError, origin: dict[str, str]) -> str:
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: {msg}")
     return "; ".join(lines)
+
+
+# -- the history's tables, named by the retention setting ---------------------------------------------------
+
+TABLE_FOR_EVENT = {"CompletionServed": "completions", "FeedbackReceived": "feedback", "Episode": "episodes",
+                   "WeightVersion": "weights", "DeadLetter": "deadletter"}
+"""The history table of each event type (streams/history/sink.py builds them). Here, not in the sink, because
+``TABLOOP_HISTORY_RETENTION_DAYS`` names them and settings depend on nothing else of ours."""
+
+
+def parse_retention(spec: str) -> dict[str, int]:
+    """``completions=90,feedback=90,episodes=0`` → days per table (0 = keep forever); errors name the part."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, days = part.partition("=")
+        if not sep or name.strip() not in TABLE_FOR_EVENT.values():
+            raise ValueError(f"expected TABLE=DAYS with TABLE one of {', '.join(TABLE_FOR_EVENT.values())}, "
+                             f"got {part!r}")
+        try:
+            value = int(days)
+        except ValueError:
+            raise ValueError(f"{name.strip()}: days must be a whole number, got {days.strip()!r}") from None
+        if value < 0:
+            raise ValueError(f"{name.strip()}: days must be >= 0 (0 keeps forever), got {value}")
+        out[name.strip()] = value
+    return out

@@ -11,6 +11,7 @@ effect in a running server.
 from __future__ import annotations
 
 import fcntl
+import getpass
 import hashlib
 import hmac
 import json
@@ -243,3 +244,8 @@ def _parse(data: bytes) -> dict[str, dict]:
 def _principal(key_id: str, entry: dict) -> Principal:
     return Principal(key_id, entry["project_id"], entry["user_id"], entry.get("rate_per_minute"),
                      entry.get("created_at"))
+
+
+def new_local_key(keys_file: Path) -> str:
+    """A new key of project 'local' for the user running this (``tabloop up``, ``tabloop continue config``)."""
+    return KeyStore(keys_file).add("local", getpass.getuser())

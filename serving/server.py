@@ -29,7 +29,7 @@ def make_engine(settings: Settings) -> Engine:
     from transformers.utils import logging as hf_logging
 
     from serving.engines.transformers_engine import TransformersEngine
-    from trainer.models import resolve_model_spec
+    from trainer.named_models import resolve_model_spec
 
     hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
 

@@ -43,7 +43,7 @@ def variables(text: str) -> set[str]:
 
 def check_tabloop_command(argv: list[str]) -> str:
     """Parse ``argv`` (what follows `tabloop`) with the real CLI; return the command's path, or fail."""
-    from infra.cli import main
+    from tabloop.cli import main
 
     cmd: click.Command = main
     path: list[str] = []

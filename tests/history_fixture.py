@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from schemas.events import Event, new_event
-from streams.history import HistoryStore, TABLE_FOR_EVENT
+from streams.history.sink import HistoryStore, TABLE_FOR_EVENT
 
 # The fixture's files and the language the views must name for each, written out here rather than
 # looked up in the product's extension table (which would make the expectation agree with any table).
@@ -30,7 +30,7 @@ def shared_client():
     import atexit
     import shutil
 
-    from streams.history import open_client
+    from streams.history.sink import open_client
 
     path = tempfile.mkdtemp(prefix="tabloop-chdb-")
     atexit.register(shutil.rmtree, path, True)

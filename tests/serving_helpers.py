@@ -61,7 +61,7 @@ class ProcessServer:
         self.completions_url = f"http://127.0.0.1:{self.ports[0]}"
         self.feedback_url = f"http://127.0.0.1:{self.ports[1]}"
         self.log = open(settings.state_dir / "serve.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve"], env=env, stdout=self.log,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "serve"], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         if not wait_ready(f"{self.completions_url}/readyz", 120, self.proc):
             self.stop()

@@ -21,7 +21,7 @@ def env(settings) -> dict:
 
 
 def cli(settings, *args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "infra.cli", *args], env=env(settings), cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tabloop.cli", *args], env=env(settings), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -60,7 +60,7 @@ def worker_lag(settings, group: str = "tabloop-streams", probes=None) -> int | N
     nothing committed yet, or the broker did not answer). Asked of a child process, as the supervisor asks
     (``KafkaProbeProcess``): librdkafka's admin client can segfault in ListConsumerGroupOffsets
     (rd_kafka_cgrp_op, seen here against a broker just started), which in-process would end the test run."""
-    from infra.supervisor import KafkaProbeProcess
+    from tabloop.supervisor import KafkaProbeProcess
 
     own = probes is None
     probes = probes or KafkaProbeProcess(settings)
@@ -85,7 +85,7 @@ class Quiet:
             settings, count, want, grace_s, proc, group
         self.stall_s = max(stall_s, grace_s)
         self.last, self.since = None, time.monotonic()
-        from infra.supervisor import KafkaProbeProcess
+        from tabloop.supervisor import KafkaProbeProcess
 
         self.probes = KafkaProbeProcess(settings)
 
@@ -118,7 +118,7 @@ class Quiet:
 
 def explain_system(settings, lines: int = 40) -> str:
     """The status table, the end of the supervisor's log and of every unhealthy component's log."""
-    from infra.supervisor import format_table, log_dir, tail
+    from tabloop.supervisor import format_table, log_dir, tail
 
     proc = cli(settings, "status", "--json")
     try:

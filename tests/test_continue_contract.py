@@ -70,7 +70,7 @@ ADDRESSES = {"completions": "http://127.0.0.1:8081/v1", "feedback": "http://127.
 
 def test_printed_and_merged_configs_load_in_continue(tmp_path):
     whole = tmp_path / "printed.yaml"
-    cli = subprocess.run([sys.executable, "-m", "infra.cli", "continue", "config"], capture_output=True, text=True,
+    cli = subprocess.run([sys.executable, "-m", "tabloop.cli", "continue", "config"], capture_output=True, text=True,
                          env={**os.environ, "TABLOOP_STATE_DIR": str(tmp_path / "state")}, timeout=60)
     assert cli.returncode == 0, cli.stderr
     whole.write_text(cli.stdout)

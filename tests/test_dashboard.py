@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from streams.history_sql import HistoryServer
+from streams.history.sql import HistoryServer
 from tests.history_fixture import analytics_fixture, expected_analytics, insert_events, new_store
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from tests.conftest import make_settings
-from trainer.demo_model import (DemoConfig, build_demo_model, collate, fim_sequence, lr_at_progress, new_model,
+from trainer.proof.demo_model import (DemoConfig, build_demo_model, collate, fim_sequence, lr_at_progress, new_model,
                                 training_progress)
-from trainer.models import MODEL_MARKER, load_model, resolve_model_spec
+from trainer.models import MODEL_MARKER, load_model
+from trainer.named_models import resolve_model_spec
 
 SPECIAL = {"prefix": 3, "middle": 4, "suffix": 5}
 EOS = 0

@@ -7,11 +7,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from infra.cli import main
+from tabloop.cli import main
 from tests.test_judge import FakeJudgeAPI, Reply
-from trainer.evaluate import apply_weights, cut_completion, evaluate, generate, load_policy
+from trainer.proof.evaluate import apply_weights, cut_completion, evaluate, generate, load_policy
 from trainer.models import build_tiny_model, load_model
-from trainer.tasks import FimTask, save_tasks
+from trainer.proof.tasks import FimTask, save_tasks
 
 TASKS = [FimTask(f"t{i}", prefix=p, suffix=s, middle="x") for i, (p, s) in enumerate([
     ("def add(a, b):\n    return a", "\n"),
@@ -47,7 +47,7 @@ def test_exact_match_and_empty_share_by_hand(tiny, monkeypatch):
     """Completions fixed here (the tiny model writes empty ones): the figures follow from them alone."""
     model, tok = tiny
     written = [" + b", "th.exists", ""]
-    monkeypatch.setattr("trainer.evaluate.generate", lambda model, tok, tasks, **kw: list(written))
+    monkeypatch.setattr("trainer.proof.evaluate.generate", lambda model, tok, tasks, **kw: list(written))
     refs = [FimTask(t.task_id, t.prefix, t.suffix, middle=m) for t, m in zip(TASKS, [" + b", "th.join", "pass"])]
     summary, scored = evaluate(model, tok, refs, max_new_tokens=12)
     assert summary["exact_match"] == pytest.approx(1 / 3, abs=1e-4) and summary["n"] == 3  # only t0 is right

@@ -50,7 +50,7 @@ class Load:
         self.log = out / f"{name}.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "infra.cli", "simulate", "stdlib:train", "--limit", "40", "--users", "4",
+                [sys.executable, "-m", "tabloop.cli", "simulate", "stdlib:train", "--limit", "40", "--users", "4",
                  "--requests", "100000", "--duration", str(duration_s), "--max-tokens", "8", "--debounce-ms", "100",
                  "--rule", "similarity", "--threshold", "0.3", "--temperature", "1.0", "--project", f"drill-{name}",
                  "--seed", str(sum(map(ord, name))), "--records", str(self.records), "--calls", str(self.calls)],

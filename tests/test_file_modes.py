@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import supervisor as sv
+from tabloop import supervisor as sv
 from infra.files import PrivateFileError, open_private, private_dir, write_private
 from tests.conftest import make_settings
 from tests.system_helpers import cli as _cli

@@ -9,7 +9,7 @@ import random
 from infra.bus import Received
 from schemas.codec import Codec
 from schemas.examples import example_event
-from streams.history import EVENT_FOR_TABLE, TABLE_FOR_EVENT, HistorySink
+from streams.history.sink import EVENT_FOR_TABLE, TABLE_FOR_EVENT, HistorySink
 from tests.conftest import make_settings
 from tests.history_fixture import new_store
 

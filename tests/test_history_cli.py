@@ -8,9 +8,9 @@ import stat
 import pytest
 from click.testing import CliRunner
 
-from infra.cli import main
+from tabloop.cli import main
 from infra.kafka_broker import free_port
-from streams.history_sql import HistoryServer
+from streams.history.sql import HistoryServer
 from tests.history_fixture import analytics_fixture, expected_analytics, insert_events, new_store
 
 

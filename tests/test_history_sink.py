@@ -16,11 +16,10 @@ import pytest
 
 from infra.bus import EventProducer, ensure_topics
 from infra.kafka_broker import free_port
-from schemas.codec import Codec
 from schemas.examples import example_event
 from schemas.topics import KEEP_FOREVER, Topic
-from streams.history import EVENT_FOR_TABLE, HistorySink
-from streams.history_sql import SqlClient
+from streams.history.sink import EVENT_FOR_TABLE, HistorySink
+from streams.history.sql import SqlClient
 from infra.local import wait_ready
 from tests.conftest import make_settings
 from tests.history_fixture import new_store
@@ -132,7 +131,7 @@ def test_a_fenced_sink_ends_instead_of_waiting_forever(kafka_settings, tmp_path)
     """Two sinks on one store share a static group member id: the newer fences the older, whose consumer
     librdkafka then gives up on for good (seen after a Kafka outage, when a sink's rejoin fenced itself).
     The older one's run() ends with an error naming it, so that its supervisor starts a new one."""
-    from streams.history import HistoryError
+    from streams.history.sink import HistoryError
 
     settings = make_settings(tmp_path, kafka_bootstrap=kafka_settings.kafka_bootstrap, history_batch_interval_s=0.2)
     tag = uuid.uuid4().hex[:8]
@@ -171,7 +170,7 @@ def test_a_fenced_sink_ends_instead_of_waiting_forever(kafka_settings, tmp_path)
 
 
 def test_bad_topic_table_is_refused(kafka_settings, tmp_path):
-    from streams.history import HistoryError
+    from streams.history.sink import HistoryError
 
     with pytest.raises(HistoryError, match="no history table nope"):
         HistorySink(make_settings(tmp_path, kafka_bootstrap=kafka_settings.kafka_bootstrap), new_store(),
@@ -190,7 +189,7 @@ class SinkProcess:
                         TABLOOP_HISTORY_BATCH_SIZE=str(settings.history_batch_size),
                         TABLOOP_HISTORY_BATCH_INTERVAL_S="0.2", TABLOOP_TOPIC_PARTITIONS="3",
                         PYTHONPATH=str(ROOT))
-        self.args = [sys.executable, "-m", "infra.cli", "history"]
+        self.args = [sys.executable, "-m", "tabloop.cli", "history"]
         for name, table in topics.items():
             self.args += ["--topic", f"{name}={table}"]
         self.log = log
@@ -203,7 +202,7 @@ class SinkProcess:
         return self
 
     def counts(self) -> dict[str, int] | None:
-        from streams.history_sql import SqlError
+        from streams.history.sql import SqlError
 
         parts = ", ".join(f"(SELECT count() FROM tabloop.{t}) AS {t}" for t in EVENT_FOR_TABLE)
         try:
@@ -350,7 +349,7 @@ def test_drill_300k_events_three_sigkills_counts_exact(kafka_settings, tmp_path)
 def test_sql_server_needs_the_token_and_refuses_writes(kafka_settings, tmp_path):
     import httpx
 
-    from streams.history_sql import HistoryServer
+    from streams.history.sql import HistoryServer
 
     store = new_store()
     server = HistoryServer(store, "tlh_secret", "127.0.0.1", 0).start()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streams.history import (NotReadOnly, clickhouse_type, parse_retention, sql_literal,
-                             table_ddl)
+from infra.settings import parse_retention
+from streams.history.sink import NotReadOnly, clickhouse_type, sql_literal, table_ddl
 from tests.history_fixture import analytics_fixture, expected_analytics, insert_events, new_store
 
 

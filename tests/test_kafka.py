@@ -189,7 +189,7 @@ def _cli(settings, *args, timeout=60):
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
            "TABLOOP_KAFKA_BOOTSTRAP": settings.kafka_bootstrap, "TABLOOP_STATE_DIR": str(settings.state_dir),
            "TABLOOP_CACHE_DIR": str(settings.cache_dir), "TABLOOP_TOPIC_PARTITIONS": str(settings.topic_partitions)}
-    return subprocess.run([sys.executable, "-m", "infra.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tabloop.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 

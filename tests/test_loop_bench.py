@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from streams.rewards import RewardSpec
-from trainer.loop_bench import FIGURES, feedback_to_policy_s, goal, heldout_rows
+from tabloop.loop_bench import FIGURES, feedback_to_policy_s, goal, heldout_rows
 from trainer.metrics import user_figures
-from trainer.simulate import UserModel
-from trainer.tasks import FimTask
+from trainer.proof.simulate import UserModel
+from trainer.proof.tasks import FimTask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TABLOOP_STATE_DIR": str(tmp_path / "base")}
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "bench", "loop", "--quick", "--model", tiny_model, "--minutes", "1.5",
+        [sys.executable, "-m", "tabloop.cli", "bench", "loop", "--quick", "--model", tiny_model, "--minutes", "1.5",
          "--train-limit", "60", "--heldout", "8", "--exploration-temperature", "1.0",
          "--eval-temperature", "1.0", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)  # inside the test's 600 s
@@ -101,7 +101,7 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
 
 
 def test_versions_to_evaluate_keeps_the_base_and_the_last():
-    from trainer.loop_bench import versions_to_evaluate
+    from tabloop.loop_bench import versions_to_evaluate
 
     assert versions_to_evaluate([1, 2, 3], None) == [0, 1, 2, 3]
     assert versions_to_evaluate([1, 2, 3], 10) == [0, 1, 2, 3]
@@ -112,7 +112,7 @@ def test_versions_to_evaluate_keeps_the_base_and_the_last():
 
 def test_bench_settings_turn_unanswered_completions_into_ignored_episodes(tmp_path):
     from tests.conftest import make_settings
-    from trainer.loop_bench import LoopBenchConfig, bench_settings
+    from tabloop.loop_bench import LoopBenchConfig, bench_settings
 
     base = make_settings(tmp_path)
     on = bench_settings(base, LoopBenchConfig(ignored_ttl_s=15.0), tmp_path / "s", "m")
@@ -130,7 +130,7 @@ def test_bench_settings_turn_unanswered_completions_into_ignored_episodes(tmp_pa
 
 
 def test_episode_outcomes_count_one_project_and_the_empty_ignored_ones():
-    from trainer.loop_bench import episode_outcomes
+    from tabloop.loop_bench import episode_outcomes
 
     eps = [{"project_id": "p", "outcome": "ACCEPTED", "completion_text": "x"},
            {"project_id": "p", "outcome": "REJECTED", "completion_text": "y = 1"},
@@ -143,7 +143,7 @@ def test_episode_outcomes_count_one_project_and_the_empty_ignored_ones():
 
 
 def test_trainer_figures_take_each_promoted_version_of_the_base_once():
-    from trainer.loop_bench import trainer_figures
+    from tabloop.loop_bench import trainer_figures
 
     def rec(version, status, base="m", **metrics):
         return {"version": version, "status": status, "base_model": base, "metrics": metrics}

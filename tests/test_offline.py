@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from trainer.offline import (GroupSample, OfflineConfig, OfflineError, make_scorer, offline_update, publish_decision,
+from trainer.proof.offline import (GroupSample, OfflineConfig, OfflineError, make_scorer, offline_update, publish_decision,
                              shown_token_count, task_schedule, training_items)
-from trainer.simulate import CONTINUE_STOPS
-from trainer.tasks import FimTask, save_tasks
+from trainer.proof.simulate import CONTINUE_STOPS
+from trainer.proof.tasks import FimTask, save_tasks
 
 
 def _g(rewards, first_token=10):
@@ -119,7 +119,7 @@ def test_tests_and_judge_scorers_as_rewards():
 def test_user_scorer_rewards_the_users_decision_as_the_online_trainer_would():
     """Accepted, rejected, nothing shown → the reward spec's accepted, rejected, ignored (Cursor's by default)."""
     from streams.rewards import RewardSpec
-    from trainer.simulate import UserModel
+    from trainer.proof.simulate import UserModel
 
     line = FimTask("a", "x = ", "\n", "compute(1)")
     tested = FimTask("add", "def add(a, b):\n    return ", "\n", "a + b", test="assert add(2, 3) == 5")
@@ -142,8 +142,8 @@ def _first_token_answers(model, tok, tasks, share: float) -> tuple[str, ...]:
     single fixed string is ever sampled; a set of answers — the tokens nearest (by embedding) to its
     likeliest one — gives the reward a starting rate to improve on, as a weak pretrained model would.
     """
-    from trainer.evaluate import cut_completion
-    from trainer.offline import prompt_ids
+    from trainer.proof.evaluate import cut_completion
+    from trainer.proof.offline import prompt_ids
 
     with torch.no_grad():
         probs = sum(torch.softmax(model(input_ids=torch.tensor([prompt_ids(tok, t, 256)])).logits[0, -1], -1)
@@ -210,7 +210,7 @@ def _learnable_tasks(tiny_model, n: int = 4) -> list[FimTask]:
 def _train(env, *args):
     from click.testing import CliRunner
 
-    from infra.cli import main
+    from tabloop.cli import main
 
     return CliRunner().invoke(main, ["train", *args], env=env)
 
@@ -273,7 +273,7 @@ def test_train_offline_writes_a_version_with_its_manifest(tiny_model, tmp_path):
 
 
 def test_train_offline_refuses_what_it_cannot_do(tiny_model, tmp_path):
-    from trainer.tasks import save_tasks as save
+    from trainer.proof.tasks import save_tasks as save
 
     data = tmp_path / "tasks.jsonl"
     save([FimTask("t", "x = ", "\n", "1")], data)

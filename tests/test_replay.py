@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -12,13 +11,13 @@ import pytest
 from click.testing import CliRunner
 
 from infra.bus import EventProducer, ensure_topics, read_topic
-from infra.cli import main
+from tabloop.cli import main
 from schemas.events import new_event
 from schemas.topics import COMPLETIONS, FEEDBACK
-from streams.history import HistorySink
-from streams.history_sql import HistoryServer
+from streams.history.sink import HistorySink
+from streams.history.sql import HistoryServer
 from streams.join import JoinConfig
-from streams.replay import canonical, derive_episodes, parse_offset
+from streams.history.replay import canonical, derive_episodes, parse_offset
 from streams.rewards import RewardSpec, RewardSpecs
 from tests.conftest import make_settings
 from tests.history_fixture import new_store
@@ -181,7 +180,7 @@ def test_replay_refuses_what_it_cannot_do(history):
 def test_replay_scores_with_the_tests_its_spec_weighs(tmp_path):
     """With a spec that weighs unit tests, replayed episodes get the tests component as the worker's do."""
     from serving.fim import build_fim_prompt
-    from streams.replay import score_episodes
+    from streams.history.replay import score_episodes
     from streams.scoring import Scorers, UnitTestsIndex
 
     prefix, suffix = "def add(a, b):\n    return ", "\n"

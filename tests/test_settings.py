@@ -61,7 +61,7 @@ def test_cli_reports_bad_settings(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "infra.cli", "topics", "list"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tabloop.cli", "topics", "list"], capture_output=True, text=True,
                           env={"TABLOOP_TOPIC_PARTITIONS": "x", "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     assert proc.returncode == 1
     assert "TABLOOP_TOPIC_PARTITIONS" in proc.stderr and "Traceback" not in proc.stderr

@@ -15,9 +15,9 @@ from serving import feedback
 from serving.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique
-from trainer.simulate import (CONTINUE_STOPS, EVENT_SOURCES, SimConfig, UserModel, api_payload, completion_body,
+from trainer.proof.simulate import (CONTINUE_STOPS, EVENT_SOURCES, SimConfig, UserModel, api_payload, completion_body,
                               data_event, fork_payload, sandbox_passes, shown_text, simulate, single_line_mode)
-from trainer.tasks import FimTask, build_source_tasks, humaneval_tasks
+from trainer.proof.tasks import FimTask, build_source_tasks, humaneval_tasks
 
 TASK = FimTask("t", prefix="def area(w, h):\n    return w", suffix="\n\nprint(area(1, 2))\n", middle=" * h",
                filepath="geo.py", repo="geo")
@@ -89,7 +89,7 @@ def test_completion_body_is_continues():
 
 
 def test_summary_by_hand():
-    from trainer.simulate import RequestRecord, SimReport
+    from trainer.proof.simulate import RequestRecord, SimReport
 
     def rec(shown, accepted, version, error=None):
         return RequestRecord(user=0, task_id="t", route="api", completion_id="c", prompt_sha256="s",
@@ -176,8 +176,8 @@ def test_simulated_users_feedback_lands_on_kafka_as_reported(kafka, tiny_model, 
 def test_simulate_cli_makes_keys_and_ends_with_json(kafka, tiny_model, tmp_path):
     from click.testing import CliRunner
 
-    from infra.cli import main
-    from trainer.tasks import save_tasks
+    from tabloop.cli import main
+    from trainer.proof.tasks import save_tasks
 
     settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
                              completions_port=0, feedback_port=0)

@@ -115,8 +115,8 @@ def test_serving_renders_the_served_models_format(tiny_llama, tmp_path):
 
 
 def test_evaluation_samples_a_model_without_fim_tokens(tiny_llama):
-    from trainer.evaluate import generate
-    from trainer.tasks import FimTask
+    from trainer.proof.evaluate import generate
+    from trainer.proof.tasks import FimTask
 
     model, tok = load_model(tiny_llama)
     tasks = [FimTask(task_id=f"t{i}", prefix=f"def f{i}(x):\n    return ", suffix="\n", middle="x")
@@ -242,7 +242,7 @@ def test_gguf_wheel_converts_to_the_same_model(tiny_llama, tiny_wheel, tmp_path)
 
 def test_resolve_model_spec_builds_a_packaged_model_once(tiny_wheel, tmp_path, monkeypatch):
     from trainer import smollm2
-    from trainer.models import resolve_model_spec
+    from trainer.named_models import resolve_model_spec
 
     spec, wheel = tiny_wheel
     monkeypatch.setitem(smollm2.PACKAGED_MODELS, spec.name, spec)
@@ -259,7 +259,7 @@ def test_model_command_builds_smollm2_from_the_cached_wheel(tiny_wheel, tmp_path
 
     from click.testing import CliRunner
 
-    from infra.cli import main
+    from tabloop.cli import main
     from trainer import smollm2
 
     spec, wheel = tiny_wheel

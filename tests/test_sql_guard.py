@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from infra.local import wait_ready
-from streams.history import HistoryStore
-from streams.history_guard import HistoryBusy, NotReadOnly, QueryLimits, Reader, ReaderPool
-from streams.history_sql import HistoryServer
+from streams.history.sink import HistoryStore
+from streams.history.guard import HistoryBusy, NotReadOnly, QueryLimits, Reader, ReaderPool
+from streams.history.sql import HistoryServer
 from tests.history_fixture import analytics_fixture, insert_events, new_store, row
 
 TOKEN = "tlh_guard"
@@ -317,7 +317,7 @@ def test_tabloop_sql_runs_in_the_history_database(server, store, fx, tmp_path):
 
     from click.testing import CliRunner
 
-    from infra.cli import main
+    from tabloop.cli import main
 
     env = {"TABLOOP_STATE_DIR": str(tmp_path), "TABLOOP_HISTORY_PORT": str(server.port),
            "TABLOOP_HISTORY_TOKEN": TOKEN, "TABLOOP_HISTORY_DATABASE": store.database}

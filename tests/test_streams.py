@@ -117,7 +117,7 @@ def scenario(seed: int = 7, n_completions: int = N_COMPLETIONS, n_feedback: int 
 
 def start_worker(settings, log_name: str) -> subprocess.Popen:
     log = open(settings.state_dir / log_name, "ab")
-    return subprocess.Popen([sys.executable, "-m", "infra.cli", "streams"], stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-m", "tabloop.cli", "streams"], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **to_environ(settings)})
 
 

@@ -7,7 +7,7 @@ import random
 
 from intervaltree import IntervalTree
 
-from streams.app import SeekSafeConsumer
+from streams.upstream import SeekSafeConsumer
 
 
 class _Gaps:

@@ -15,7 +15,8 @@ from confluent_kafka.admin import NewTopic
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 
 from infra.bus import admin_client, ensure_topics
-from streams.app import ListedHighwatersThread, build_app
+from streams.app import build_app
+from streams.upstream import ListedHighwatersThread
 from tests.conftest import make_settings
 from tests.serving_helpers import unique
 from tests.system_helpers import poll
@@ -99,7 +100,7 @@ def test_a_producer_whose_sender_died_is_named_and_the_others_are_not(kafka, tmp
     from aiokafka import AIOKafkaProducer
     from aiokafka.errors import KafkaError
 
-    from streams.app import dead_producers
+    from streams.upstream import dead_producers
 
     async def scenario() -> tuple[list[str], list[str]]:
         running = AIOKafkaProducer(bootstrap_servers=kafka.settings.kafka_bootstrap)

@@ -34,7 +34,7 @@ def test_streams_exits_on_sigterm_after_kafka_stopped(own_kafka, tmp_path):
     ensure_topics(settings)
     log_path = tmp_path / "streams.log"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "streams"], stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "streams"], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **to_environ(settings)})
     try:
         # Faust's worker logs "Ready" once it has joined the group and its agents run.

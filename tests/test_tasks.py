@@ -10,7 +10,7 @@ import pytest
 
 from serving.fim import parse_prompt
 from streams.sandbox import run_tests
-from trainer.tasks import (TaskFormatError, build_source_tasks, code_lines, continue_prompt,
+from trainer.proof.tasks import (TaskFormatError, build_source_tasks, code_lines, continue_prompt,
                            humaneval_problems, humaneval_tasks, load_tasks, resolve_dataset, save_tasks, source_files,
                            split_of)
 
@@ -222,7 +222,7 @@ def test_humaneval_canonical_span_passes_and_a_wrong_one_fails():
 def test_tasks_build_cli_writes_loadable_jsonl(tmp_path):
     from click.testing import CliRunner
 
-    from infra.cli import main
+    from tabloop.cli import main
 
     out = tmp_path / "he.jsonl"
     result = CliRunner().invoke(main, ["tasks", "build", "humaneval", "--limit", "5", "--out", str(out)],

@@ -35,7 +35,7 @@ def kafka(own_kafka):
 
 def spawn(settings, args: list[str], log_name: str) -> subprocess.Popen:
     env = {**os.environ, **to_environ(settings), "PYTHONPATH": os.getcwd()}
-    return subprocess.Popen([sys.executable, "-m", "infra.cli", *args], env=env,
+    return subprocess.Popen([sys.executable, "-m", "tabloop.cli", *args], env=env,
                             stdout=open(settings.state_dir / log_name, "ab"), stderr=subprocess.STDOUT)
 
 
@@ -155,7 +155,7 @@ def test_feedback_to_new_version_to_serving_rollback_and_canary(kafka, tiny_mode
         assert store.versions()[0] == 1 and store.manifest(1).episodes_consumed == 8
 
         # 2. Rollback: one command; the same process goes back to version 0.
-        out = subprocess.run([sys.executable, "-m", "infra.cli", "weights", "rollback", "0"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "tabloop.cli", "weights", "rollback", "0"], capture_output=True,
                              text=True,
                              env={**os.environ, **to_environ(settings), "PYTHONPATH": os.getcwd()}, timeout=120)
         assert out.returncode == 0, out.stderr

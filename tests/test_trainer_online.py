@@ -59,6 +59,17 @@ def produce(settings, topic, events) -> None:
             producer.publish(e, topic=topic)
 
 
+def train_once(settings, topic, **run) -> None:
+    """A trainer started, run (``OnlineTrainer.run``'s stopping rules) and closed: one process's life."""
+    from trainer.online import OnlineTrainer
+
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(**run)
+    finally:
+        trainer.close()
+
+
 def end_offsets(settings, topic) -> dict[str, int]:
     c = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "probe"})
     try:
@@ -172,11 +183,7 @@ def test_unannounced_version_is_published_on_restart(setup):
     finally:
         trainer.close()
     assert find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base, timeout_s=1) == []
-    trainer = OnlineTrainer(settings, topic=topic)
-    try:
-        trainer.run(idle_exit_s=1)
-    finally:
-        trainer.close()
+    train_once(settings, topic, idle_exit_s=1)
     events = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base)
     assert [(e.record["version"], e.record["status"]) for e in events] == [(1, "PROMOTED")]
 
@@ -214,16 +221,10 @@ def test_the_trainer_runs_its_own_canary_and_decides_it_once(setup):
 
 def test_without_auto_promote_a_version_waits_as_a_candidate(setup):
     """``TABLOOP_AUTO_PROMOTE=false`` and no canary: the version is announced, and nothing serves it."""
-    from trainer.online import OnlineTrainer
-
     settings, topic, tok, base = setup
     settings = settings.model_copy(update={"auto_promote": False})
     produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
-    trainer = OnlineTrainer(settings, topic=topic)
-    try:
-        trainer.run(max_versions=1)
-    finally:
-        trainer.close()
+    train_once(settings, topic, max_versions=1)
     events = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base)
     assert [(e.record["version"], e.record["status"]) for e in events] == [(1, "CANDIDATE")]
     assert "canary_share" not in events[0].record["metrics"]
@@ -232,7 +233,7 @@ def test_without_auto_promote_a_version_waits_as_a_candidate(setup):
 def _spawn(settings, topic, log_path):
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **to_environ(settings),
            "PYTHONPATH": os.getcwd()}
-    return subprocess.Popen([sys.executable, "-m", "infra.cli", "train", "--topic", topic], env=env,
+    return subprocess.Popen([sys.executable, "-m", "tabloop.cli", "train", "--topic", topic], env=env,
                             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
 
 

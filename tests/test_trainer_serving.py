@@ -83,7 +83,7 @@ def test_weights_commands(kafka, tiny_model, tmp_path):
     from click.testing import CliRunner
 
     from infra.bus import ensure_topics
-    from infra.cli import main
+    from tabloop.cli import main
     from infra.settings import to_environ
     from tests.conftest import make_settings
     from trainer.weight_store import WeightStore, promoted_version, read_weight_records

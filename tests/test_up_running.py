@@ -12,7 +12,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from infra import supervisor as sv
+from tabloop import supervisor as sv
 from infra.kafka_broker import free_port
 from infra.local import KEY_PLACEHOLDER, client_host, endpoints
 from infra.settings import to_environ
@@ -64,7 +64,7 @@ def running(tmp_path, monkeypatch):
 
 def _up(settings, *args):
     """`tabloop up ARGS` in this process, with ``settings`` as its whole TABLOOP_* environment."""
-    from infra.cli import main
+    from tabloop.cli import main
 
     env = {k: None for k in os.environ if k.startswith("TABLOOP_")} | to_environ(settings)
     return CliRunner().invoke(main, ["up", *args], env=env, catch_exceptions=False)
@@ -137,3 +137,4 @@ def test_up_twice_then_down(tiny_model, tmp_path):
         down = _cli(settings, "down", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
     assert _processes_of(state) == []
+

@@ -30,7 +30,8 @@ QWEN25_CODER_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8
 def _model(shape: str, settings, device: str, full: bool):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trainer.models import load_model, resolve_model_spec
+    from trainer.models import load_model
+    from trainer.named_models import resolve_model_spec
 
     if shape == "tiny":
         return load_model(resolve_model_spec(settings), device=device, dtype="float32")

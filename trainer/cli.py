@@ -1,6 +1,6 @@
 """The trainer's commands: `tabloop train`, `tabloop weights list|promote|rollback`, `tabloop bench trainer`.
 
-Registered in infra/cli.py with one ``add_command`` line each.
+Registered in tabloop/cli.py with one ``add_command`` line each.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 import click
 
-from trainer.offline_cli import offline_options, offline_requested, train_offline
+from trainer.proof.offline_cli import offline_options, offline_requested, train_offline
 
 
 def _settings(ctx: click.Context):
@@ -31,7 +31,7 @@ def _error(message: str) -> click.ClickException:
 def train(ctx: click.Context, topic: str, max_versions: int | None, **offline) -> None:
     """Continuous PPO on tabloop.episodes; publishes weight versions to the weight store and tabloop.weights.
 
-    With --offline: GRPO/RLOO on DATASET's tasks (trainer/offline.py)."""
+    With --offline: GRPO/RLOO on DATASET's tasks (trainer/proof/offline.py)."""
     if offline_requested(ctx, offline):
         return train_offline(ctx, max_versions=max_versions, **offline)
     import signal
@@ -67,7 +67,7 @@ def weights() -> None:
 
 
 def _store_and_records(settings):
-    from trainer.models import resolve_model_spec
+    from trainer.named_models import resolve_model_spec
     from trainer.weight_store import WeightStore, read_weight_records
 
     base = resolve_model_spec(settings)

@@ -112,7 +112,7 @@ def summarize(scored: Sequence[Scored]) -> dict:
 
 
 def user_figures(rows: Sequence[dict]) -> dict:
-    """What Cursor's Tab RL measured, over some requests' user decisions (``trainer.simulate.decision_rows``):
+    """What Cursor's Tab RL measured, over some requests' user decisions (``trainer.proof.simulate.decision_rows``):
     accept rate among shown suggestions, share of requests shown, accepted characters per request and
     mean reward (an empty suggestion is not shown)."""
     n = len(rows)

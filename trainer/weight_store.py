@@ -62,7 +62,7 @@ class Manifest:
     files: list[str] = field(default_factory=list)
     training: dict = field(default_factory=dict)
     """How the version was trained when not from the episode topic: {"mode": "offline", "algo", "group_size",
-    "scorer", "dataset", …} (trainer/offline.py); empty for online versions."""
+    "scorer", "dataset", …} (trainer/proof/offline.py); empty for online versions."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

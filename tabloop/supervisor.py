@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, Collection, TextIO
 
 import httpx
 
@@ -80,12 +80,6 @@ COMPONENTS: tuple[Component, ...] = (
 )
 
 
-def installed_commands() -> set[str]:
-    from infra.cli import main
-
-    return set(main.commands)
-
-
 def restart_delay(failures: int, base_s: float = BACKOFF_BASE_S, max_s: float = BACKOFF_MAX_S) -> float:
     """Seconds to wait before start number ``failures + 1`` after ``failures`` crashes in a row:
     1, 2, 4, 8 … capped at ``max_s``. No wait before the first start."""
@@ -126,7 +120,7 @@ def _is_tabloop(pid: int) -> bool:
     if not pid_alive(pid):
         return False
     try:
-        return b"infra.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"tabloop.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -407,7 +401,10 @@ def _die_with_parent() -> None:
 
 class Supervisor:
     def __init__(self, settings: Settings, components: tuple[Component, ...] = COMPONENTS, *,
-                 out: TextIO | None = None, on_all_healthy: Callable[[], None] | None = None):
+                 out: TextIO | None = None, on_all_healthy: Callable[[], None] | None = None,
+                 commands: Collection[str] | None = None):
+        """``commands``: the subcommands this installation has (``tabloop up`` passes its own); a component
+        whose command is not among them is "not installed" and never started. None: all of them are."""
         self.settings = settings
         self.out = out or sys.stdout
         self.on_all_healthy = on_all_healthy
@@ -419,10 +416,9 @@ class Supervisor:
         self._last_probe = 0.0
         self._announced = False
         self.policy_version: int | None = None
-        available = installed_commands()
         self.children = [Child(c) for c in components]
         for child in self.children:
-            if child.component.command[0] not in available:
+            if commands is not None and child.component.command[0] not in commands:
                 child.state = "not installed"
 
     # -- output ----------------------------------------------------------------
@@ -496,7 +492,7 @@ class Supervisor:
         env = {**os.environ, **to_environ(self.settings)}
         env["PYTHONUNBUFFERED"] = "1"
         # The private umask: whatever a component writes (trainer logs, spool, ClickHouse parts) is 0600.
-        child.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *c.command], env=env,
+        child.proc = subprocess.Popen([sys.executable, "-m", "tabloop.cli", *c.command], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       preexec_fn=_die_with_parent, umask=PRIVATE_UMASK)
         child.started_at = time.monotonic()
@@ -646,7 +642,7 @@ def spawn_detached(settings: Settings) -> subprocess.Popen:
     (run_dir(settings) / STATUS_FILE).unlink(missing_ok=True)
     env = {**os.environ, **to_environ(settings), "PYTHONUNBUFFERED": "1"}
     with open_private(log_dir(settings) / "supervisor.log") as log:
-        return subprocess.Popen([sys.executable, "-m", "infra.cli", "supervise"], env=env, stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "tabloop.cli", "supervise"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                 umask=PRIVATE_UMASK)
 

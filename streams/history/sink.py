@@ -38,23 +38,21 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from confluent_kafka import KafkaException
 
 from infra.bus import gave_up
+from infra.settings import TABLE_FOR_EVENT, Settings, parse_retention
 from schemas.codec import EventDecodeError
-from infra.settings import Settings
 from schemas.events import EVENT_TYPES, EventType
 from schemas.topics import CATALOG
 # The read-only query path (guard, readers, caps) lives there; NotReadOnly and HistoryBusy stay importable here.
-from streams.history_guard import HistoryBusy, NotReadOnly, QueryLimits, ReaderPool  # noqa: F401
+from streams.history.guard import HistoryBusy, NotReadOnly, QueryLimits, ReaderPool  # noqa: F401
 
 log = logging.getLogger("tabloop.history")
 
 GROUP_ID = "tabloop-history"
-TABLE_FOR_EVENT = {"CompletionServed": "completions", "FeedbackReceived": "feedback", "Episode": "episodes",
-                   "WeightVersion": "weights", "DeadLetter": "deadletter"}
 EVENT_FOR_TABLE = {t: e for e, t in TABLE_FOR_EVENT.items()}
 REJECTS = "rejects"
 # The sorting key (and so the deduplication key) of each table: a column most queries filter on,
@@ -210,24 +208,6 @@ FROM {db}.episodes FINAL
 GROUP BY policy_version, day
 ORDER BY day, policy_version""",
     }
-
-
-def parse_retention(spec: str) -> dict[str, int]:
-    """``completions=90,feedback=90,episodes=0`` → days per table (0 = keep forever); errors name the part."""
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, days = part.partition("=")
-        if not sep or name.strip() not in TABLE_FOR_EVENT.values():
-            raise ValueError(f"expected TABLE=DAYS with TABLE one of {', '.join(TABLE_FOR_EVENT.values())}, "
-                             f"got {part!r}")
-        try:
-            value = int(days)
-        except ValueError:
-            raise ValueError(f"{name.strip()}: days must be a whole number, got {days.strip()!r}") from None
-        if value < 0:
-            raise ValueError(f"{name.strip()}: days must be >= 0 (0 keeps forever), got {value}")
-        out[name.strip()] = value
-    return out
 
 
 # -- the store: one ClickHouse client, shared by the sink and the SQL server -----------------------------
@@ -391,7 +371,7 @@ class HistoryStore:
             return {int(r[0]) for r in self.client.query(sql).result_rows}
 
     def query(self, sql: str, *, read_only: bool = True) -> QueryResult:
-        """Run one query. Read-only ones (the default) go through the guard in streams.history_guard and run
+        """Run one query. Read-only ones (the default) go through the guard in streams.history.guard and run
         on a capped, read-only reader (NotReadOnly when refused, HistoryBusy when every reader is busy);
         ``read_only=False`` is for the store's own statements, on the sink's handle."""
         if read_only:

@@ -142,7 +142,7 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
     from serving.engines.base import GenerationRequest
     from serving.fim import QWEN_STOP_WORDS, build_fim_prompt
     from serving.server import make_engine
-    from trainer.models import resolve_model_spec
+    from trainer.named_models import resolve_model_spec
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures
     state = Path(tempfile.mkdtemp(prefix="tabloop-bench-serving-"))
@@ -150,7 +150,7 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
         "model": resolve_model_spec(settings), "state_dir": state, "completions_port": free_port(),
         "feedback_port": free_port(), "auth": "open", "serve_host": "127.0.0.1", "max_batch": clients})
     log_path = state / "serve.log"
-    server = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve"], stdout=open(log_path, "wb"),
+    server = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "serve"], stdout=open(log_path, "wb"),
                               stderr=subprocess.STDOUT, env={**os.environ, **to_environ(settings)})
     engine = make_engine(settings)
     prompts = [build_fim_prompt(f"def handler_{i}(request):\n    data = ", "\n    return data\n")
@@ -349,7 +349,7 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
         print(f"  {n:,} completions and {n:,} feedback on the topics", file=sys.stderr)
         reader.start()
         t_start = time.perf_counter()
-        worker = subprocess.Popen([sys.executable, "-m", "infra.cli", "streams", "--guarantee", guarantee],
+        worker = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "streams", "--guarantee", guarantee],
                                   stdout=open(work / "streams.log", "ab"), stderr=subprocess.STDOUT,
                                   env={**os.environ, **to_environ(s)})
         ids = [f.event_id for f in feedback]

@@ -16,7 +16,7 @@ import uuid
 from infra.settings import Settings
 from schemas.examples import example_event
 from schemas.topics import KEEP_FOREVER, Topic
-from streams.history import EVENT_FOR_TABLE, HistorySink, HistoryStore, open_client
+from streams.history.sink import EVENT_FOR_TABLE, HistorySink, HistoryStore, open_client
 
 SINK_MIX = {"completions": "CompletionServed", "feedback": "FeedbackReceived", "episodes": "Episode"}
 

@@ -34,8 +34,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from serving.fim import earliest_stop, prompt_format, prompt_token_ids
 from streams.rewards import RewardSpec
 from trainer.metrics import Scored, summarize, user_figures
-from trainer.simulate import CONTINUE_STOPS, UserModel, decision_rows, single_line_mode
-from trainer.tasks import FimTask, iter_batches
+from trainer.proof.simulate import CONTINUE_STOPS, UserModel, decision_rows, single_line_mode
+from trainer.proof.tasks import FimTask, iter_batches
 
 SCORERS = ("exact", "tests", "judge", "user")
 
@@ -55,7 +55,8 @@ def load_policy(settings, policy: str | None = None, *, model_spec: str | None =
     """(model, tokenizer, label) for ``policy``: None or "0" → the base model; a version number → that
     version from ``tabloop.weights``; a directory → its weights (a LoRA adapter if it has
     adapter_config.json, else a full model)."""
-    from trainer.models import load_model, resolve_model_spec
+    from trainer.models import load_model
+    from trainer.named_models import resolve_model_spec
 
     base_spec = model_spec or resolve_model_spec(settings)
     model, tokenizer = load_model(base_spec, device=device)

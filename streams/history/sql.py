@@ -10,7 +10,7 @@ runs the sink owns it and answers everyone else's queries:
 
 Only reading statements over the history database pass, decided on the
 engine's own parse, and they run on capped read-only handles of their own
-(streams.history_guard). Unqualified names mean the history database's
+(streams.history.guard). Unqualified names mean the history database's
 tables. ``SqlClient`` is the other side: against ``chdb://`` it asks this
 server; against an ``http://`` ClickHouse server it queries the server directly.
 """
@@ -32,8 +32,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from infra.settings import Settings
-from streams.history import HistoryStore, QueryResult, json_value
-from streams.history_guard import HistoryBusy, NotReadOnly, QueryLimits, ReaderPool
+from streams.history.sink import HistoryStore, QueryResult, json_value
+from streams.history.guard import HistoryBusy, NotReadOnly, QueryLimits, ReaderPool
 
 log = logging.getLogger("tabloop.history")
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
@@ -108,7 +108,7 @@ def dashboard_data(store: HistoryStore, days: int = 30, project: str | None = No
 
 
 def _literal(value: str) -> str:
-    from streams.history import sql_literal
+    from streams.history.sink import sql_literal
 
     return sql_literal(value)
 
@@ -268,7 +268,7 @@ class SqlClient:
         return self._query_sink(sql)
 
     def _query_server(self, sql: str) -> QueryResult:
-        from streams.history import open_client
+        from streams.history.sink import open_client
 
         if self._client is None:
             url = self.url

@@ -18,7 +18,7 @@ def _settings(ctx: click.Context):
 
 
 def _fail(message: str):
-    from infra.cli import TabloopError
+    from infra.errors import TabloopError
 
     raise TabloopError(message)
 
@@ -44,8 +44,8 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
     """The history sink: every topic into ClickHouse; read-only SQL and the dashboard over HTTP."""
     if ctx.invoked_subcommand is not None:
         return
-    from streams.history import GROUP_ID, HistoryError, HistorySink, HistoryStore
-    from streams.history_sql import HistoryServer, history_token
+    from streams.history.sink import GROUP_ID, HistoryError, HistorySink, HistoryStore
+    from streams.history.sql import HistoryServer, history_token
 
     s = _settings(ctx)
     try:
@@ -86,7 +86,7 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
 def history_token_cmd(ctx: click.Context, as_url: bool) -> None:
     """Print the Bearer token of the SQL server and the dashboard (made once if missing)."""
     from infra.local import endpoints
-    from streams.history_sql import history_token
+    from streams.history.sql import history_token
 
     s = _settings(ctx)
     token = history_token(s, create=True)
@@ -97,7 +97,7 @@ def history_token_cmd(ctx: click.Context, as_url: bool) -> None:
 @click.pass_context
 def history_schema(ctx: click.Context) -> None:
     """Print the CREATE statements of the tables and views (what the sink makes)."""
-    from streams.history import EVENT_FOR_TABLE, parse_retention, rejects_ddl, table_ddl, view_ddls
+    from streams.history.sink import EVENT_FOR_TABLE, parse_retention, rejects_ddl, table_ddl, view_ddls
 
     s = _settings(ctx)
     retention = parse_retention(s.history_retention_days)
@@ -119,7 +119,7 @@ def sql(ctx: click.Context, query: str, fmt: str) -> None:
     Tables and views live in the database TABLOOP_HISTORY_DATABASE (tabloop), e.g.
     `tabloop sql "SELECT * FROM tabloop.acceptance_by_version"`.
     """
-    from streams.history_sql import SqlClient, SqlError, format_table
+    from streams.history.sql import SqlClient, SqlError, format_table
 
     try:
         result = SqlClient(_settings(ctx)).query(query)
@@ -167,8 +167,8 @@ def replay(ctx: click.Context, topic: str | None, dry_run: bool, source: str, si
     """
     from pathlib import Path
 
-    from streams.history_sql import SqlError
-    from streams.replay import Selection, parse_offset, replay as run
+    from streams.history.sql import SqlError
+    from streams.history.replay import Selection, parse_offset, replay as run
     from streams.rewards import RewardSpecs
 
     if not dry_run and not topic:
@@ -194,7 +194,7 @@ def replay(ctx: click.Context, topic: str | None, dry_run: bool, source: str, si
 def bench_history(ctx: click.Context, n: int, episodes: int) -> None:
     """Rows/s stored by the sink (broker → embedded ClickHouse) and the acceptance-by-version query time."""
     from infra.bus import broker_answers
-    from streams.history_bench import bench_history as run
+    from streams.history.bench import bench_history as run
 
     s = _settings(ctx)
     if not broker_answers(s):

@@ -46,8 +46,8 @@ from typing import Callable, Sequence
 from streams.rewards import RewardSpec
 from trainer.losses import grpo_advantages, rloo_advantages
 from trainer.policy import PolicyTrainer, Sample, sample_completions
-from trainer.simulate import UserModel, decision_rows
-from trainer.tasks import FimTask
+from trainer.proof.simulate import UserModel, decision_rows
+from trainer.proof.tasks import FimTask
 
 ALGOS = ("grpo", "rloo")
 SCORERS = ("exact", "tests", "judge", "user")
@@ -158,8 +158,8 @@ def sample_groups(model, tokenizer, prompts: Sequence[list[int]], tasks: Sequenc
                   max_new_tokens: int, temperature: float, generator, pad_id: int, top_p: float = 1.0,
                   rows_per_batch: int = 32) -> list[list[Sampled]]:
     """K completions per prompt from ``model``, each cut where the editor would cut it."""
-    from trainer.evaluate import cut_completion
-    from trainer.simulate import CONTINUE_STOPS, single_line_mode
+    from trainer.proof.evaluate import cut_completion
+    from trainer.proof.simulate import CONTINUE_STOPS, single_line_mode
 
     rows = [(i, p) for i, p in enumerate(prompts) for _ in range(group_size)]
     drawn: list[tuple[list[int], list[float]]] = []
@@ -185,14 +185,14 @@ def make_scorer(name: str, *, judge_config=None, user_model: UserModel = UserMod
     from the episode of that decision."""
     if name == "exact":
         from trainer.metrics import Scored
-        from trainer.simulate import single_line_mode
+        from trainer.proof.simulate import single_line_mode
 
         def exact(tasks, completions):
             return [1.0 if Scored(t.task_id, c, t.middle, t.solutions, single_line_mode(t.prefix)).exact else 0.0
                     for t, c in zip(tasks, completions)]
         return exact
     if name == "tests":
-        from trainer.evaluate import score_tests
+        from trainer.proof.evaluate import score_tests
 
         return lambda tasks, completions: [1.0 if ok else 0.0
                                            for ok in score_tests(tasks, completions, workers=test_workers)]
@@ -200,7 +200,7 @@ def make_scorer(name: str, *, judge_config=None, user_model: UserModel = UserMod
         if judge_config is None:
             raise ValueError("the judge scorer needs a judge: --judge-url, --judge-model and JUDGE_API_KEY "
                              "(or TABLOOP_JUDGE_* / LLMASJUDGE_* settings)")
-        from trainer.evaluate import score_judge
+        from trainer.proof.evaluate import score_judge
 
         # The judge's 0–10 scale brought to 0–1 like the other scorers; a missing score stays missing.
         return lambda tasks, completions: [None if s is None else s / 10.0
@@ -361,7 +361,7 @@ def load_current_policy(settings, store, *, lr: float | None = None, full: bool 
 
 
 def _evaluate(policy: PolicyTrainer, tasks, scorer: str, run: OfflineRun, log) -> dict:
-    from trainer.evaluate import evaluate
+    from trainer.proof.evaluate import evaluate
 
     model = policy.model
     was_training = model.training
@@ -391,8 +391,8 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
     """The whole offline run; returns the summary ``tabloop train --offline`` prints as its last line."""
     import torch
 
-    from trainer.models import resolve_model_spec
-    from trainer.tasks import resolve_dataset
+    from trainer.named_models import resolve_model_spec
+    from trainer.proof.tasks import resolve_dataset
     from trainer.weight_store import WeightStore
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -410,7 +410,7 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
     if run.reward_spec is None:
         import dataclasses
 
-        from trainer.evaluate import scorer_reward_spec
+        from trainer.proof.evaluate import scorer_reward_spec
 
         run = dataclasses.replace(run, reward_spec=scorer_reward_spec(settings, run.scorer))
     score = make_scorer(run.scorer, judge_config=run.judge_config, user_model=run.user_model,

@@ -3,7 +3,7 @@
 Each simulated user behaves like the Continue extension talking to
 ``tabloop serve``:
 
-* it builds Qwen FIM prompts from tasks (``trainer.tasks``), sometimes with
+* it builds Qwen FIM prompts from tasks (``trainer.proof.tasks``), sometimes with
   repo and file context (``<|repo_name|>``/``<|file_sep|>``);
 * it streams ``POST /v1/completions`` with Continue's body (model, prompt,
   max_tokens, temperature, top_p, penalties, Continue's stop list,
@@ -38,7 +38,7 @@ import httpx
 
 from serving.fim import QWEN_STOP_WORDS
 from trainer.metrics import edit_similarity
-from trainer.tasks import FimTask, first_line
+from trainer.proof.tasks import FimTask, first_line
 
 # What Continue sends as `stop` for a Qwen coder model: the model's own special
 # tokens, then the ones Continue adds for every model.

@@ -8,7 +8,7 @@ online trainer to make them better.
 What it is: the byte-level BPE tokenizer of ``trainer.models`` (Qwen2.5-Coder's
 special and FIM tokens) and a Qwen2 of a couple of million parameters, trained
 on FIM tasks from the train split of the standard library
-(``trainer.tasks.build_source_tasks``) — the same kind of cursor, inside a real
+(``trainer.proof.tasks.build_source_tasks``) — the same kind of cursor, inside a real
 line, that simulated users and evaluation use, but never on a held-out file.
 
 Training runs ``steps`` optimizer steps or ``minutes`` of wall clock,
@@ -36,7 +36,7 @@ import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from trainer.models import FIM_TOKENS, MODEL_MARKER, build_tokenizer
-from trainer.tasks import FimTask, build_source_tasks, source_files, split_of
+from trainer.proof.tasks import FimTask, build_source_tasks, source_files, split_of
 
 IGNORE_INDEX = -100
 

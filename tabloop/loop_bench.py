@@ -3,7 +3,7 @@
 What runs (nothing is a stand-in):
 
 1. a Kafka broker of its own (free port, a state dir of its own) and the topics;
-2. the supervisor `tabloop up` runs (``infra.supervisor.Supervisor``): the front
+2. the supervisor `tabloop up` runs (``tabloop.supervisor.Supervisor``): the front
    door, the streams worker, the online trainer and the history sink, each a
    child process, with settings that make the trainer publish a version per
    policy update, and a join that turns a completion left without feedback
@@ -11,12 +11,12 @@ What runs (nothing is a stand-in):
    suggestion is never shown and never answered, and these episodes are what
    lets the trainer compare "showed nothing" with "showed something rejected"
    (with rejects alone every reward is equal and every advantage 0);
-3. simulated Continue users (``trainer.simulate``) on the standard library's
+3. simulated Continue users (``trainer.proof.simulate``) on the standard library's
    *train* split for ``--minutes``: real streamed completions, real accept /
    reject decisions, feedback through all three routes;
 4. once the users stop and the components are stopped (Kafka still up),
    every published policy version, 0 (the base model) included, is loaded the
-   way `tabloop eval --policy V` loads it (``trainer.evaluate.load_policy``:
+   way `tabloop eval --policy V` loads it (``trainer.proof.evaluate.load_policy``:
    the version's WeightVersion event on ``tabloop.weights``) and completes the
    *held-out* tasks greedily; the simulated user's rule decides each shown
    suggestion, as it would have online.
@@ -124,8 +124,8 @@ class LoopBenchConfig:
 # -- the figures (pure) ------------------------------------------------------------------------
 
 def heldout_rows(version: int, tasks: Sequence, completions: Sequence[str], user_model, spec) -> list[dict]:
-    """One row per held-out request (``trainer.simulate.decision_rows``), tagged with the version."""
-    from trainer.simulate import decision_rows
+    """One row per held-out request (``trainer.proof.simulate.decision_rows``), tagged with the version."""
+    from trainer.proof.simulate import decision_rows
 
     return [{"version": version, **row} for row in decision_rows(tasks, completions, user_model, spec)]
 
@@ -144,7 +144,7 @@ def versions_to_evaluate(published: Sequence[int], max_evals: int | None) -> lis
 
 def feedback_to_policy_s(records: Iterable[dict]) -> float | None:
     """Seconds from the first feedback sent to the end of the first completion served by a version ≥ 1
-    (records as ``trainer.simulate.RequestRecord`` dicts); None when either never happened."""
+    (records as ``trainer.proof.simulate.RequestRecord`` dicts); None when either never happened."""
     records = list(records)
     sent = [r["feedback_sent_at"] for r in records if r.get("feedback_sent_at") is not None]
     trained = [r["sent_at"] + r["latency_ms"] / 1000 for r in records
@@ -275,7 +275,7 @@ def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: s
 def resolve_model(base, model: str) -> str:
     """``demo``/``smollm2`` (``NAMED_MODELS``): that model of the configured state dir (built there once, then
     reused); else a path or hub id as given."""
-    from trainer.models import NAMED_MODELS, resolve_model_spec
+    from trainer.named_models import NAMED_MODELS, resolve_model_spec
 
     if model in NAMED_MODELS:
         return resolve_model_spec(base.model_copy(update={"model": model}))
@@ -284,14 +284,14 @@ def resolve_model(base, model: str) -> str:
 
 def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
                    log: Callable[[str], None] | None = None) -> dict:
-    from infra import supervisor as sv
+    from tabloop import supervisor as sv
     from infra.bus import ensure_topics, read_topic
     from infra.kafka_broker import LocalKafka
     from schemas.topics import EPISODES
     from streams.rewards import RewardSpecs
-    from trainer.evaluate import evaluate, load_policy
-    from trainer.simulate import SimConfig, Simulation, UserModel, records_jsonl
-    from trainer.tasks import resolve_dataset
+    from trainer.proof.evaluate import evaluate, load_policy
+    from trainer.proof.simulate import SimConfig, Simulation, UserModel, records_jsonl
+    from trainer.proof.tasks import resolve_dataset
     from trainer.weight_store import read_weight_records
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -409,7 +409,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
 
 
 def _wait_healthy(supervisor, timeout_s: float, log_path: Path) -> None:
-    from infra.supervisor import tail
+    from tabloop.supervisor import tail
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -436,7 +436,7 @@ def _published(weight_records: Sequence[dict], base_model: str) -> dict[int, flo
 def _online_rewards(records: Sequence[dict], spec) -> dict[int, float]:
     """Mean reward of the requests each version served (the users' outcomes; nothing shown: ignored)."""
     from streams.rewards import acceptance_reward
-    from trainer.simulate import outcome_of
+    from trainer.proof.simulate import outcome_of
 
     sums: dict[int, list[float]] = {}
     for r in records:
@@ -498,7 +498,7 @@ def _click():
                    ignored_ttl, seed, quick, keep_state, out_dir) -> None:
         """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
         split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
-        from infra.cli import TabloopError
+        from infra.errors import TabloopError
         from infra.kafka_broker import KafkaLaunchError
         from trainer.models import ModelLoadError
 

@@ -1,4 +1,4 @@
-"""The ``--offline`` half of ``tabloop train``: its options and the command body (the loop is trainer/offline.py).
+"""The ``--offline`` half of ``tabloop train``: its options and the command body (the loop is trainer/proof/offline.py).
 
 ``trainer/cli.py``'s ``train`` takes these options with one decorator
 (``@offline_options``) and hands over with ``if offline_requested(...)``, so the
@@ -86,11 +86,11 @@ def offline_requested(ctx: click.Context, params: dict) -> bool:
 
 def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> None:
     """``tabloop train --offline …``: progress on stderr, the run's summary as the last stdout line (JSON)."""
-    from infra.cli import TabloopError
+    from infra.errors import TabloopError
     from trainer.models import ModelLoadError
-    from trainer.offline import OfflineConfig, OfflineRun, run_offline
-    from trainer.proof_cli import user_from_options
-    from trainer.tasks import TaskFormatError
+    from trainer.proof.offline import OfflineConfig, OfflineRun, run_offline
+    from trainer.proof.cli import user_from_options
+    from trainer.proof.tasks import TaskFormatError
     from trainer.weight_store import WeightStoreError
 
     settings = ctx.find_root().obj

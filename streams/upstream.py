@@ -1,0 +1,285 @@
+"""Workarounds for Faust and aiokafka, kept apart from the topology (streams/app.py) that relies on them.
+
+Each one subclasses or reads a private part of faust-streaming (<0.16) or aiokafka, names the upstream
+issue it works around where one is known, and is covered by a test that fails if an upgrade moves what it
+touches (tests/test_streams*.py, the fault drills). ``StreamsApp`` wires them into Faust's transport.
+
+- ``TransactionalTable``: table changelog writes inside the event's transaction (stock Faust sends them
+  from a background buffer; robinhood/faust#599 is the nearest report).
+- ``SourceBoundTransactions``: a repartitioned send commits with its input's offset (duplicates after a
+  crash otherwise; faust-streaming/faust#517 reports such duplicates under exactly_once).
+- ``SeekSafeConsumer``: no commit stall after a seek (faust-streaming/faust#596), no commit past a message
+  still in flight (faust-streaming/faust#606), O(log n) gap bookkeeping, highwaters from ListOffsets
+  (``ListedHighwatersThread``; no upstream report found).
+- ``dead_producers``: aiokafka's sender routine dies for good on an unexpected error and every later send
+  waits forever (aio-libs/aiokafka#907 shows the same "Unexpected error in sender routine").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+
+import faust
+from faust import current_event
+from faust.transport.consumer import TransactionManager
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
+
+log = logging.getLogger("tabloop.streams")
+
+
+def dead_producers(producer) -> list[str]:
+    """The Kafka producers under a Faust producer whose background sender has died, by transactional id
+    ("default" for the plain one).
+
+    aiokafka's sender routine ends for good on an error it does not expect (a connection closed during
+    a transaction-coordinator lookup: Kafka stopped in the middle of a transaction), and each send after
+    that waits forever. Faust does not notice: the worker stays in its group, healthy to every probe,
+    and processes nothing (the Kafka-outage drill caught one 1,939 events behind)."""
+    found = []
+    for name, kafka_producer in {"default": producer._producer, **producer._transaction_producers}.items():
+        task = kafka_producer._sender.sender_task if kafka_producer is not None else None  # None: not started
+        if (task is not None and task.done() and not task.cancelled() and task.exception() is not None
+                and not kafka_producer._closed):
+            found.append(name)
+    return found
+
+
+class TransactionalTable(faust.Table):
+    """A Faust table whose changelog writes wait for the agent to send them inside its transaction.
+
+    Stock Faust queues changelog writes in a producer buffer that a background task drains, so a
+    commit can carry an event's offset without its state change (or the reverse). Here every write
+    is held in ``app.tabloop_pending`` and sent by ``TransactionalProcessing`` before the event
+    counts as processed: state, outputs and offsets commit together or not at all.
+    """
+
+    def on_key_set(self, key, value) -> None:
+        self.app.tabloop_pending.append((self, self.partition_for_key(key), key, value, None))
+
+    def on_key_del(self, key) -> None:
+        self.app.tabloop_pending.append((self, self.partition_for_key(key), key, None, "raw"))
+
+
+class SourceBoundTransactions(TransactionManager):
+    """Exactly-once that holds when outputs go to other partitions than their input came from.
+
+    Faust picks the transaction of a send by the *destination* partition, but commits a source
+    partition's offsets in the transaction of the *source* partition. Every send of a repartition
+    then sits in a transaction that commits on another schedule than its input's offset, and a
+    SIGKILL between the two replays input whose output is already out: duplicates. Here a send
+    made while processing an event joins that event's source-partition transaction, and a commit
+    waits until no event is half-processed.
+    """
+
+    async def send(self, topic, key, value, partition, timestamp, headers, *, transactional_id=None):
+        event = current_event()
+        if event is None:  # not inside an agent: Faust's own rule
+            return await super().send(topic, key, value, partition, timestamp, headers)
+        source = event.message.tp
+        group = self.app.assignor.group_for_topic(source.topic)
+        return await self.producer.send(
+            topic, key, value, self.consumer.key_partition(topic, key, partition), timestamp, headers,
+            transactional_id=f"{self.app.conf.id}-{group}-{source.partition}")
+
+    async def commit(self, offsets, start_new_transaction: bool = True) -> bool:
+        async with self.app.tabloop_processing:
+            return await super().commit(offsets, start_new_transaction=start_new_transaction)
+
+
+class ListedHighwatersThread(AIOKafkaConsumerThread):
+    """Highwaters asked of the broker (ListOffsets), never read off the last fetch (see
+    ``SeekSafeConsumer``)."""
+
+    async def _highwaters(self, partitions):
+        return await self._ensure_consumer().end_offsets(partitions)
+
+
+class _ReadOffsets(dict):
+    """Faust's per-partition read offsets, deaf to the one write that would make them stale (see
+    ``SeekSafeConsumer``). Faust seeks write through ``dict.update``, which this class leaves alone."""
+
+    def __init__(self, consumer: "SeekSafeConsumer"):
+        super().__init__()
+        self.consumer = consumer
+
+    def __missing__(self, tp):
+        return None
+
+    def __setitem__(self, tp, offset) -> None:
+        if not self.consumer.stale_write(tp, offset):
+            super().__setitem__(tp, offset)
+
+
+class SeekSafeConsumer(AIOKafkaConsumer):
+    """A consumer whose commits never stall after a seek, and whose highwaters are asked of the broker.
+
+    **Stalls.** After a rebalance Faust restores the tables, then seeks each stream partition back to its
+    committed offset C and re-reads from there. Its fetch loop may meanwhile be half-way through a
+    batch fetched *before* the seek: it hands that batch's next message M to the streams and then
+    records M's offset as the partition's read offset, overwriting C. The re-read from C then drops
+    every message below M as already read, so C..M-1 are never processed, never acked, and the
+    contiguous-acks rule never lets the partition commit again: its lag grows forever (seen after a
+    SIGKILL and restart of the worker; faust-streaming issue 596 describes the same race).
+
+    Here every fetched batch carries the seek epoch of each partition at fetch time. A message from
+    before its partition's latest seek is not handed on (the re-read delivers it again); if it was
+    already handed on, its read-offset write is ignored and the agents skip it without counting its
+    ack. When a batch is dropped for that reason the partition is sought back to where its latest
+    seek put it, so nothing the broker had already moved past is skipped.
+
+    **Highwaters.** Under exactly-once, Faust takes a partition's highwater from aiokafka's
+    ``last_stable_offset``, which only a fetch response fills in: for a changelog partition not
+    fetched yet it is unknown, Faust counts that as empty and skips the restore. A worker started
+    right after a Kafka restart did exactly that, began with empty tables and joined feedback it had
+    already joined into a second episode. ListOffsets with the consumer's isolation level
+    (read_committed) answers the last stable offset at once (``ListedHighwatersThread``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seek_epoch: dict = defaultdict(int)
+        self._seek_target: dict = {}
+        self._batch_epochs: dict = {}
+        self._handed: dict[int, tuple] = {}  # id(message) -> (tp, epoch) of messages handed on
+        self._last_handed: dict = {}  # tp -> (offset, epoch) of the message the fetch loop holds
+        self._read_offset = _ReadOffsets(self)
+
+    def _new_consumer_thread(self) -> "ListedHighwatersThread":
+        return ListedHighwatersThread(self, loop=self.loop, beacon=self.beacon)
+
+    # -- seeks: each starts a new epoch of its partition ---------------------------------------------
+
+    async def perform_seek(self) -> None:
+        await super().perform_seek()
+        for tp in self.assignment():
+            self.seek_epoch[tp] += 1
+            self._seek_target[tp] = dict.get(self._read_offset, tp)
+        # Forget messages handed on two seeks ago or earlier: one left over from just before this seek
+        # may still come out of a queue and must be known as stale; older ones were cleared with the queues.
+        self._handed = {k: (tp, e) for k, (tp, e) in self._handed.items() if e >= self.seek_epoch[tp] - 1}
+
+    async def seek(self, tp, offset: int) -> None:
+        await super().seek(tp, offset)
+        self.seek_epoch[tp] += 1
+        self._seek_target[tp] = offset if offset else None
+        dict.__setitem__(self._read_offset, tp, offset if offset else None)  # whatever the fetch loop holds
+
+    # -- fetching: drop what was fetched before its partition's latest seek --------------------------
+
+    async def _wait_next_records(self, timeout: float):
+        if not self.flow_active:  # paused for a rebalance, which ends with a seek: wait for that first
+            await self.wait(self.can_resume_flow)
+        epochs = dict(self.seek_epoch)  # before the fetch: a seek during it makes its records suspect
+        result = await super()._wait_next_records(timeout)
+        self._batch_epochs = epochs
+        return result
+
+    async def getmany(self, timeout: float):
+        epochs, dropped = None, {}
+        async for tp, message in super().getmany(timeout):
+            epochs = epochs if epochs is not None else self._batch_epochs
+            if self._is_changelog_tp(tp):  # table recovery reads these; it does its own seeking
+                yield tp, message
+                continue
+            epoch = epochs.get(tp, 0)
+            if epoch != self.seek_epoch[tp]:
+                dropped.setdefault(tp, message.offset)
+                continue
+            self._handed[id(message)] = (tp, epoch)
+            self._last_handed[tp] = (message.offset, epoch)
+            yield tp, message
+        for tp, first in dropped.items():
+            if tp not in self.assignment():  # revoked meanwhile: its next owner reads from the commit
+                continue
+            target = self._seek_target.get(tp)
+            log.info("dropped %s from offset %d, fetched before its latest seek; reading again from %s",
+                     tp, first, target if target is not None else "the beginning")
+            if target is None:  # nothing committed yet: from the start, as auto_offset_reset says
+                await self.seek_to_beginning(tp)
+                self.seek_epoch[tp] += 1
+                dict.__setitem__(self._read_offset, tp, None)
+            else:
+                await self.seek(tp, min(first, target))
+
+    # -- commits: never past a message still being processed ------------------------------------------
+
+    def _new_offset(self, tp):
+        """Faust's offset to commit, but never past a message of ``tp`` that is still in flight.
+
+        Faust lets a head gap of one offset pass (for compacted topics), so with an agent of
+        concurrency > 1 (the scoring stage) it could commit past the one message still being scored
+        while later ones were done; a crash then would lose that message (faust-streaming issue
+        606). Acks above the lowest in-flight offset are held back from this round."""
+        in_flight = [m.offset for m in self._unacked_messages if m.tp == tp]
+        if not in_flight:
+            return super()._new_offset(tp)
+        lowest, acked = min(in_flight), self._acked[tp]
+        later = [o for o in acked if o > lowest]
+        if not later:
+            return super()._new_offset(tp)
+        acked[:] = [o for o in acked if o < lowest]
+        try:
+            return super()._new_offset(tp) if acked else None
+        finally:
+            acked.extend(later)
+
+    async def _add_gap(self, tp, offset_from: int, offset_to: int) -> None:
+        """Faust's gap bookkeeping (offsets a read skipped: transaction markers, compacted records), with
+        the same intervals kept, in O(log n) a gap instead of a rebuild of the whole tree.
+
+        Faust adds the gap and then calls ``merge_overlaps()``, which sorts and rebuilds every interval of
+        the partition since its last commit: under exactly-once every upstream transaction leaves a
+        marker, so that was a tenth of the worker's CPU (py-spy, `tabloop bench pipeline`). The tree's
+        intervals never overlap one another (each add merges), so the only merge a new gap can cause is
+        with the intervals it overlaps: those are replaced by their union, which is what the full merge
+        leaves (touching intervals stay apart there too: ``merge_overlaps`` is strict)."""
+        committed = self._committed_offset[tp]
+        if committed is not None:
+            offset_from = max(offset_from, committed + 1)
+        if offset_from > offset_to:
+            return
+        gap_for_tp = self._gap[tp]
+        begin, end = offset_from, offset_to + 1  # intervaltree intervals exclude the end
+        for overlapping in gap_for_tp.overlap(begin, end):
+            begin, end = min(begin, overlapping.begin), max(end, overlapping.end)
+            gap_for_tp.remove(overlapping)
+        gap_for_tp.addi(begin, end)
+        await asyncio.sleep(0)  # as Faust does: other coroutines (health checks) get the loop meanwhile
+
+    def stale_write(self, tp, offset) -> bool:
+        """Whether writing ``offset`` as ``tp``'s read offset comes from a message fetched before its
+        partition's latest seek (the fetch loop writes the offset of each message it handed on)."""
+        last = self._last_handed.get(tp)
+        if last is None or last[0] != offset:
+            return False
+        del self._last_handed[tp]
+        if last[1] == self.seek_epoch[tp]:
+            return False
+        log.info("kept %s's read offset at %s: offset %d was fetched before its latest seek",
+                 tp, dict.get(self._read_offset, tp), offset)
+        return True
+
+    def stale(self, message) -> bool:
+        """A message handed on before its partition's latest seek: the re-read delivers it again."""
+        handed = self._handed.get(id(message))
+        return handed is not None and handed[0] == message.tp and handed[1] != self.seek_epoch[message.tp]
+
+    def ack(self, message) -> bool:
+        if self.stale(message):  # not processed: its offset must not count towards a commit
+            self._handed.pop(id(message), None)
+            message.acked = True
+            self._unacked_messages.discard(message)
+            return False
+        self._handed.pop(id(message), None)
+        return super().ack(message)
+
+
+class StreamsApp(faust.App):
+    def _new_transport(self):
+        transport = super()._new_transport()
+        transport.TransactionManager = SourceBoundTransactions
+        transport.Consumer = SeekSafeConsumer
+        return transport

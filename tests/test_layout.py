@@ -1,0 +1,108 @@
+"""The layout the README's folder table promises, read from the imports of every module (function-level
+imports included: a lazy import is still a dependency)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("tabloop", "trainer", "streams", "serving", "schemas", "infra")
+
+
+def module_files() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module → the project modules it imports (``from a import b`` counts ``a.b`` when that is a
+    module, else ``a``)."""
+    files = module_files()
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{name}: a relative import (the project uses absolute ones)"
+                found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                             for a in node.names)
+        graph[name] = {m for m in found if m in files and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    graph = import_graph()
+    assert len(graph) > 60 and "streams.history.sink" in graph["streams.history.cli"]  # the graph is real
+    assert cycles(graph) == []
+
+
+def test_the_floors():
+    graph = import_graph()
+    top = {m for m in graph if m.split(".")[0] == "tabloop"}
+    # The top floor is imported by no area.
+    assert {(m, d) for m, ds in graph.items() if m not in top for d in ds if d in top} == set()
+    # Settings depend on nothing of ours; the bottom floors (schemas, then infra) on nothing above them.
+    assert graph["infra.settings"] == set()
+    assert {(m, d) for m, ds in graph.items() if m.startswith("schemas") for d in ds if not d.startswith("schemas")} \
+        == set()
+    assert {(m, d) for m, ds in graph.items() if m.startswith("infra")
+            for d in ds if d.split(".")[0] not in ("infra", "schemas")} == set()
+
+
+def test_the_readmes_folder_table_names_every_package():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| folder |"):]
+    table = table[:table.index("\n\n")]
+    listed = set(re.findall(r"^\| `([a-z_/]+)/` \|", table, re.M))
+    packages = {str(p.parent.relative_to(ROOT)) for package in PACKAGES for p in (ROOT / package).rglob("__init__.py")}
+    packages = {p for p in packages if p.count("/") <= 1 and "engines" not in p}  # serving/engines: in serving's row
+    assert listed == packages
