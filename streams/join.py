@@ -384,6 +384,8 @@ class EpisodeJoiner:
             prompt=(completion or {}).get("prompt") or (fb or {}).get("prompt") or "",
             prompt_token_ids=list((completion or {}).get("prompt_token_ids") or []),
             prompt_sha256=source.get("prompt_sha256"),
+            # The cursor as the client sent it: a model without FIM tokens was served the prefix alone.
+            prefix=(completion or {}).get("prefix"), suffix=(completion or {}).get("suffix"),
             completion_text=text, completion_token_ids=tokens,
             behaviour_logprobs=logprobs,
             # The distribution the behaviour logprobs are of; an unmatched episode has none (its defaults).

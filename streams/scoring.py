@@ -95,6 +95,15 @@ class UnitTestsIndex:
         return by_client if by_client is not None else self.for_prompt(episode["prompt"])
 
 
+def episode_cursor(episode: dict) -> tuple[str, str] | None:
+    """(prefix, suffix) around the completion: the episode's own fields (the client's cursor), else parsed from
+    a FIM prompt (episodes written before they carried them); None when neither says where the cursor was."""
+    if episode.get("prefix") is not None and episode.get("suffix") is not None:
+        return episode["prefix"], episode["suffix"]
+    parsed = parse_prompt(episode["prompt"])
+    return (parsed.prefix or "", parsed.suffix or "") if parsed.is_fim else None
+
+
 @dataclass
 class Scorers:
     """The judge and the tests runner a worker scores with; either may be absent (not configured)."""
@@ -119,7 +128,7 @@ class Scorers:
 
     def wanted(self, spec: RewardSpec, episode: dict) -> list[str]:
         """The extra components this episode should get under ``spec`` (empty: publish it as it is)."""
-        if not episode["matched"] or not parse_prompt(episode["prompt"]).is_fim:
+        if not episode["matched"] or episode_cursor(episode) is None:
             return []
         out = []
         if spec.weights.get("judge", 0) > 0 and self.judge is not None:
@@ -132,8 +141,8 @@ class Scorers:
         """(components, errors) for the ``wanted`` components of one episode."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.concurrency)
-        parsed = parse_prompt(episode["prompt"])
-        prefix, suffix, text = parsed.prefix or "", parsed.suffix or "", episode["completion_text"]
+        prefix, suffix = episode_cursor(episode) or ("", "")
+        text = episode["completion_text"]
         components, errors = {}, {}
         async with self._slots:
             if "judge" in wanted:

@@ -57,6 +57,17 @@ def test_by_our_id_and_reward():
     assert (r["prompt_token_ids"], r["temperature"], r["top_p"]) == ([7, 8, 9], 0.7, 0.95)
 
 
+def test_the_episode_carries_the_clients_cursor_and_an_unmatched_one_none():
+    """Prefix and suffix as the completion recorded them (a model without FIM tokens is served the prefix
+    alone, so the scorers need them from here); feedback with no completion knows no cursor."""
+    served = {**completion("c1", 0, prompt="def f(x):\n    return"), "prefix": "def f(x):\n    return",
+              "suffix": "\n\nprint(f(2))\n"}
+    eps, _ = run([("c", served), ("f", feedback(500, cid="c1", shown=None, prompt=None))])
+    assert (eps[0].record["prefix"], eps[0].record["suffix"]) == ("def f(x):\n    return", "\n\nprint(f(2))\n")
+    eps, _ = run([("f", feedback(500, client_id="k", prompt="zzz")), ("c", completion("tick", 900_000))])
+    assert [(e.record["matched"], e.record["prefix"], e.record["suffix"]) for e in eps] == [(False, None, None)]
+
+
 def test_early_feedback_waits_for_its_completion():
     eps, counts = run([("f", feedback(500, "REJECTED", cid="c1", shown=None, prompt=None)),
                        ("c", completion("c1", 0))])

@@ -31,3 +31,20 @@ def test_tests_keyed_by_the_client_prompt_score_a_request_that_sent_a_suffix(tmp
     served = {k: v for k, v in episode.items() if k != "prompt_sha256"}
     by_served = UnitTestsIndex({hashlib.sha256(served["prompt"].encode()).hexdigest(): TESTS})
     assert by_served.for_episode(served) == TESTS and by_served.for_episode(episode) == TESTS
+
+
+def test_an_episode_served_the_prefix_alone_is_scored_with_the_clients_suffix(tmp_path):
+    """A model without FIM tokens (SmolLM2) is served the prefix alone, so the episode's prompt has no suffix
+    to parse: the episode's own prefix and suffix (v6) rebuild the file. The tests need the suffix here."""
+    suffix = "\n\ndef twice(x):\n    return add(x, x)\n"
+    tests = "assert twice(3) == 6\n"
+    scorers = Scorers(tests=UnitTestsIndex({"sha": tests}), tests_timeout_s=20)
+    episode = {"completion_id": "c1", "project_id": "p", "prompt": PREFIX, "prompt_sha256": "sha",
+               "prefix": PREFIX, "suffix": suffix, "completion_text": "a + b", "completion_token_ids": [1, 2],
+               "matched": True, "reward_components": {"acceptance": 0.75}}
+    assert scorers.wanted(SPEC, episode) == ["tests"]
+    assert asyncio.run(scorers.score(SPEC, episode, ["tests"])) == ({"tests": 0.75}, {})
+    assert asyncio.run(scorers.score(SPEC, {**episode, "completion_text": "a - b"}, ["tests"]))[0] == {"tests": -0.25}
+    # Without them (an episode written before v6) the prefix-only prompt says nothing of the cursor: no score.
+    older = {k: v for k, v in episode.items() if k not in ("prefix", "suffix")}
+    assert scorers.wanted(SPEC, older) == []
