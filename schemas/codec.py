@@ -214,8 +214,11 @@ class Codec:
             schema_text = self.registry.schema_for(schema_id)
         except LookupError as exc:
             raise UnknownSchemaError(f"schema id {schema_id} is not in the registry") from exc
-        writer_schema = fastavro.parse_schema(json.loads(schema_text))
-        full_name = writer_schema.get("name", "")
+        try:
+            writer_schema = fastavro.parse_schema(json.loads(schema_text))
+        except Exception as exc:  # not JSON, or not an Avro schema fastavro can read: not one of our events
+            raise UnknownSchemaError(f"schema id {schema_id} is not an Avro schema: {exc!r}"[:300]) from exc
+        full_name = writer_schema.get("name", "") if isinstance(writer_schema, dict) else ""
         type_name = full_name.rsplit(".", 1)[-1]
         et = EVENT_TYPES.get(type_name)
         if et is None or not full_name.startswith("tabloop."):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import httpx
 
 CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
+SCHEMA_NOT_FOUND = 40403
+"""Confluent's error code for an id no schema has (Apicurio's compatibility API answers the same)."""
 
 
 class SchemaRegistryError(RuntimeError):
@@ -41,8 +43,18 @@ class ConfluentSchemaRegistry:
             return cached
         resp = self._call("GET", f"/schemas/ids/{schema_id}", missing_ok=True)
         if resp.status_code == 404:
+            # Only the registry's own "schema not found" means the id is unknown. Any other 404 (a URL
+            # missing Apicurio's /apis/ccompat/v7, a proxy) is the registry's fault: were it taken for an
+            # unknown id, every event would be dead-lettered as unreadable instead of the consumer stopping.
+            if _error_code(resp) != SCHEMA_NOT_FOUND:
+                raise SchemaRegistryError(f"schema registry {self.url}/schemas/ids/{schema_id} answered 404 "
+                                          f"without Confluent's error code {SCHEMA_NOT_FOUND} (is the URL "
+                                          f"the registry's Confluent API?): {resp.text[:300]}")
             raise LookupError(f"schema id {schema_id} not found in {self.url}")
-        schema = resp.json()["schema"]
+        body = resp.json()
+        if body.get("schemaType", "AVRO") != "AVRO":  # Confluent omits it for Avro
+            raise LookupError(f"schema id {schema_id} in {self.url} is a {body['schemaType']} schema, not Avro")
+        schema = body["schema"]
         self._schemas[schema_id] = schema
         return schema
 
@@ -58,3 +70,10 @@ class ConfluentSchemaRegistry:
                 f"schema registry {self.url}{path} answered {resp.status_code}: {resp.text[:300]}"
             )
         return resp
+
+
+def _error_code(resp: httpx.Response) -> int | None:
+    try:
+        return int(resp.json().get("error_code"))
+    except (ValueError, TypeError, AttributeError):
+        return None
