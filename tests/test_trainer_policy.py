@@ -51,6 +51,42 @@ def test_accepts_go_up_and_rejects_go_down(tiny_model, full):
     assert {"policy_loss", "approx_kl", "clip_fraction", "entropy", "tokens_per_s", "update_seconds"} <= set(metrics)
 
 
+def test_an_entropy_bonus_alone_moves_the_policy_towards_more_entropy(tiny_model):
+    """Advantages of 0 give the clipped loss no gradient: with ``entropy_coef`` the update still raises the
+    completion positions' entropy; without it (LoRA, B = 0 at the start) nothing moves at all."""
+    model, tok = load_model(tiny_model)
+    samples = [make_sample(tok, "def f():\n    return", [11, 12, 13], None, 0.0),
+               make_sample(tok, "x = [", [7, 8], None, 0.0)]
+    entropies = {}
+    for coef in (0.0, 0.5):
+        trainer = PolicyTrainer(load_model(tiny_model)[0], tok, UpdateConfig(lr=1e-2, warmup_updates=0,
+                                                                            entropy_coef=coef), lora_rank=4, seed=0)
+        first = trainer.update(samples)["entropy"]  # measured before the step
+        second = trainer.update(samples)["entropy"]
+        entropies[coef] = (first, second)
+    assert entropies[0.0][1] == pytest.approx(entropies[0.0][0], abs=1e-6)
+    assert entropies[0.5][1] > entropies[0.5][0] + 1e-3
+    assert entropies[0.5][0] == pytest.approx(entropies[0.0][0], abs=1e-5)  # the same start
+
+
+def test_ppo_epochs_step_once_per_pass_and_the_later_passes_see_a_moved_policy(tiny_model):
+    """With behaviour = the policy before the update, one pass sees a ratio of exactly 1; a second pass over
+    the same batch sees the policy its first step moved (ratio ≠ 1, approx KL > 0), and the optimizer stepped
+    twice."""
+    model, tok = load_model(tiny_model)
+    samples = [make_sample(tok, "def f():\n    return", [11, 12], None, 0.5),
+               make_sample(tok, "def g():\n    return", [13, 14], None, -0.5)]
+    seen = {}
+    for epochs in (1, 2):
+        trainer = PolicyTrainer(load_model(tiny_model)[0], tok, UpdateConfig(lr=1e-2, warmup_updates=0, epochs=epochs),
+                                full=True, seed=0)
+        metrics = trainer.update(samples)  # the metrics are the last pass's
+        steps = trainer.optimizer.state[next(p for p in trainer.model.parameters() if p.requires_grad)]["step"]
+        seen[epochs] = (metrics["ratio_mean"], metrics["approx_kl"], int(steps))
+    assert seen[1] == (pytest.approx(1.0, abs=1e-6), pytest.approx(0.0, abs=1e-7), 1)
+    assert abs(seen[2][0] - 1.0) > 1e-4 and seen[2][1] > 1e-7 and seen[2][2] == 2
+
+
 def test_prompt_tokens_get_no_gradient_signal(tiny_model):
     """Changing only how a prompt token would be predicted changes nothing: the loss sees completion tokens only."""
     model, tok = load_model(tiny_model)

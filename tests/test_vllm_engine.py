@@ -66,3 +66,102 @@ def test_round_robin_logprobs_and_failover(kafka, tiny_model, tmp_path):
     finally:
         for r in replicas:
             r.stop()
+
+
+class RecordingReplica:
+    """An HTTP server speaking the two vLLM routes the engine uses, recording every request: the dynamic
+    LoRA route (``/v1/load_lora_adapter``, as ``vllm serve --enable-lora`` with
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` serves it) and a one-token streamed ``/v1/completions``."""
+
+    def __init__(self, lora_status: int = 200, lora_text: str = "Success: LoRA adapter loaded"):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, dict]] = []
+        replica = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                replica.requests.append((self.path, body))
+                if self.path == "/v1/load_lora_adapter":
+                    self._answer(lora_status, "text/plain", lora_text.encode())
+                elif self.path == "/v1/completions":
+                    chunk = {"choices": [{"index": 0, "text": "x", "token_ids": [42], "prompt_token_ids": [1, 2],
+                                          "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]}
+                    self._answer(200, "text/event-stream", f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+                else:
+                    self._answer(404, "text/plain", b"no such route")
+
+            def _answer(self, status: int, kind: str, data: bytes):
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_new_lora_version_is_loaded_on_every_replica_and_then_requested_by_name(tiny_model, tmp_path):
+    import asyncio
+
+    from serving.engines.base import GenerationRequest
+    from serving.engines.vllm_engine import VLLMEngine
+
+    # The second replica had the adapter already (a restart of the front door): vLLM answers 400 then.
+    replicas = [RecordingReplica(), RecordingReplica(400, "The lora adapter 'tabloop-v3' has already been loaded.")]
+    failing = RecordingReplica(500, "out of memory")
+    try:
+        settings = make_settings(tmp_path, model=tiny_model, engine="vllm",
+                                 vllm_urls=",".join(r.url for r in replicas))
+        request = GenerationRequest(prompt_ids=[], max_new_tokens=4, temperature=1.0, top_p=1.0, prompt_text="a = ")
+
+        async def scenario():
+            engine = VLLMEngine(settings)
+            try:
+                await engine.load_version(3, "file:///weights/base/v000003", "LORA")
+                steps = [s async for s in engine.stream(request)]
+                with pytest.raises(ValueError, match="LoRA"):
+                    await engine.load_version(4, "file:///weights/base/v000004", "FULL")
+                version_after_full = engine.policy_version
+                await engine.load_version(0, "", "LORA")
+                back_to_base = [s async for s in engine.stream(request)]
+                return steps, version_after_full, back_to_base, engine.policy_version
+            finally:
+                await engine.close()
+
+        steps, version_after_full, back_to_base, final_version = asyncio.run(scenario())
+        for replica in replicas:
+            loads = [body for path, body in replica.requests if path == "/v1/load_lora_adapter"]
+            assert loads == [{"lora_name": "tabloop-v3", "lora_path": "/weights/base/v000003"}]
+        asked = [body["model"] for r in replicas for path, body in r.requests if path == "/v1/completions"]
+        assert asked == ["tabloop-v3", tiny_model]  # round robin: the adapter by name, then the base again
+        assert [(s.token_id, s.logprob, s.policy_version) for s in steps] == [(42, -0.5, 3)]
+        assert version_after_full == 3 and final_version == 0 and back_to_base[0].policy_version == 0
+
+        bad = make_settings(tmp_path / "bad", model=tiny_model, engine="vllm", vllm_urls=failing.url)
+
+        async def refused():
+            engine = VLLMEngine(bad)
+            try:
+                with pytest.raises(RuntimeError, match=f"{failing.url} could not load adapter tabloop-v5: 500"):
+                    await engine.load_version(5, "file:///w/v5", "LORA")
+                return engine.policy_version
+            finally:
+                await engine.close()
+
+        assert asyncio.run(refused()) == 0  # a refused load leaves serving on what it had
+    finally:
+        for r in (*replicas, failing):
+            r.stop()
