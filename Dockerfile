@@ -17,6 +17,7 @@ COPY serving ./serving
 COPY streams ./streams
 COPY trainer ./trainer
 COPY infra ./infra
+COPY tabloop ./tabloop
 RUN pip install --no-deps . && mkdir -p /var/lib/tabloop
 
 VOLUME ["/var/lib/tabloop"]
