@@ -138,3 +138,45 @@ def test_up_twice_then_down(tiny_model, tmp_path):
     assert down.returncode == 0, down.stdout + down.stderr
     assert _processes_of(state) == []
 
+
+def test_up_in_the_foreground_uses_a_running_broker_and_leaves_it_running(kafka, tiny_model, tmp_path):
+    """`tabloop up --foreground` next to a broker someone else runs: it uses that broker, serves, and on
+    SIGTERM stops everything it started and nothing else; `tabloop down` then leaves the broker alone too."""
+    import signal
+    import subprocess
+    import sys
+
+    from infra.bus import broker_answers
+    from tests.system_helpers import ROOT
+    from tests.system_helpers import env as _env
+
+    state = tmp_path / "state"
+    settings = make_settings(state, kafka_bootstrap=kafka.settings.kafka_bootstrap, completions_port=free_port(),
+                             feedback_port=free_port(), history_port=free_port(), model=tiny_model)
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "up", "--foreground"], env=_env(settings),
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: "apiBase:" in log.read_text(errors="replace") or proc.poll() is not None, 300,
+              "the foreground system to be healthy", explain=lambda: log.read_text(errors="replace")[-3000:])
+        printed = log.read_text(errors="replace")
+        assert proc.poll() is None, printed[-3000:]
+        assert f"Kafka answers on {settings.kafka_bootstrap}" in printed
+        key = re.search(r"apiKey: (tlk_\S+)", printed).group(1)
+        resp = httpx.post(f"http://127.0.0.1:{settings.completions_port}/v1/completions",
+                          headers={"Authorization": f"Bearer {key}"}, json={"prompt": "x = ", "max_tokens": 2},
+                          timeout=60)
+        assert resp.status_code == 200, resp.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    said = log.read_text(errors="replace")
+    assert "Kafka stopped" not in said and ("none of ours was running" in said or "is not ours" in said), said[-2000:]
+    assert _processes_of(state) == []
+    assert broker_answers(kafka.settings)
+    down = _cli(settings, "down", timeout=120)
+    assert down.returncode == 0 and "Kafka stopped" not in down.stdout, down.stdout + down.stderr
+    assert broker_answers(kafka.settings)

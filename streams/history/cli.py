@@ -197,6 +197,11 @@ def bench_history(ctx: click.Context, n: int, episodes: int) -> None:
     from streams.history.bench import bench_history as run
 
     s = _settings(ctx)
+    if n <= 2 * s.history_batch_size:
+        # The first batch waits for the consumer group to form and is not timed: with fewer events than
+        # that the rate would be of one or two batches, or of nothing at all (it printed 0 rows/s).
+        _fail(f"--events {n} is too few to time the sink: give more than twice TABLOOP_HISTORY_BATCH_SIZE "
+              f"({s.history_batch_size}), e.g. --events {max(60_000, 4 * s.history_batch_size)}")
     if not broker_answers(s):
         _fail(f"no Kafka answers on {s.kafka_bootstrap}: run `tabloop kafka start` first")
     run(s, n, episodes)

@@ -1,0 +1,89 @@
+"""Every `tabloop bench …` command, at its smallest, as a user runs it: it exits 0 and its last line is the
+JSON its figures are read from, holding measurements (the counts it was asked for, rates above 0), not
+placeholders. (`bench loop --quick` runs in the drills: tests/test_loop_bench.py.) Speed itself is never
+asserted here: the benches are where speed is measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infra.settings import to_environ
+from schemas.events import EVENT_TYPES
+from tests.conftest import make_settings
+
+pytestmark = pytest.mark.kafka
+
+
+def check_codec(r):
+    assert set(r["types"]) == set(EVENT_TYPES) and r["events_per_type"] == 200
+    assert all(t["encode_per_s"] > 0 and t["decode_per_s"] > 0 and t["bytes_per_event"] > 0
+               for t in r["types"].values()), r
+
+
+def check_kafka(r):
+    assert (r["events"], r["consumed"], r["decode_errors"], r["partitions"]) == (1000, 1000, 0, 2)
+    assert r["produce_per_s"] > 0 and r["consume_per_s"] > 0 and r["bytes_per_event"] > 0
+
+
+def check_history(r):
+    assert r["events"] == 1000 and 0 < r["sink_rows"] < 1000 and r["sink_rows_per_s"] > 0 and r["sink_batches"] >= 2
+    assert r["episodes"] == 1000 and r["acceptance_by_version_rows"] > 0 and r["acceptance_by_version_query_s"] > 0
+
+
+def check_pipeline(r):
+    assert r["backlog_episodes"] == 100 and r["live_complete"] is True and r["live_episodes"] > 0
+    assert r["episodes_per_s"] > 0 and 0 < r["latency_ms_p50"] <= r["latency_ms_p99"]
+
+
+def check_serving(r):
+    assert (r["clients"], r["requests"]) == (2, 4)
+    for side in ("engine", "front_door"):  # the overheads between them may come out negative in noise
+        assert 0 < r[side]["ttft_ms"]["p50"] <= r[side]["ttft_ms"]["p95"], r
+        assert 0 < r[side]["latency_ms"]["p50"] <= r[side]["latency_ms"]["p95"], r
+
+
+def check_trainer(r):
+    assert (r["updates"], r["batch"], r["device"]) == (1, 2, "cpu") and "full" not in r
+    assert r["lora"]["seconds_per_update"] > 0 and 0 < r["lora"]["trainable_parameters"] < r["lora"]["parameters"]
+
+
+# name: (arguments, settings for the run, the check of its JSON)
+BENCHES = {
+    "codec": (["--events", "200"], {}, check_codec),
+    "kafka": (["--events", "1000", "--partitions", "2"], {}, check_kafka),
+    # Batches of 200: the first batch waits for the consumer group and is not timed.
+    "history": (["--events", "1000", "--episodes", "1000"], {"history_batch_size": 200}, check_history),
+    "pipeline": (["--events", "100", "--rate", "20", "--seconds", "2"], {}, check_pipeline),
+    "serving": (["--clients", "2", "--requests", "2", "--max-tokens", "4", "--rounds", "1"], {}, check_serving),
+    "trainer": (["--model-shape", "tiny", "--mode", "lora", "--batch", "2", "--micro-batch", "2",
+                 "--prompt-tokens", "16", "--completion-tokens", "4", "--updates", "1", "--device", "cpu"], {},
+                check_trainer),
+}
+
+
+def bench(name: str, args: list[str], kafka, tiny_model, tmp_path, **settings) -> subprocess.CompletedProcess:
+    s = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
+                      **settings)
+    env = {**os.environ, **to_environ(s), "PYTHONPATH": os.getcwd()}
+    return subprocess.run([sys.executable, "-m", "tabloop.cli", "bench", name, *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(BENCHES))
+def test_each_bench_runs_small_and_reports_json(name, kafka, tiny_model, tmp_path):
+    args, settings, check = BENCHES[name]
+    out = bench(name, args, kafka, tiny_model, tmp_path, **settings)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_the_history_bench_refuses_too_few_events_to_time(kafka, tiny_model, tmp_path):
+    """All of them would come in the first batch, which is not timed: it printed 0 rows/s."""
+    out = bench("history", ["--events", "1000", "--episodes", "1000"], kafka, tiny_model, tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "--events 1000 is too few to time the sink" in out.stderr and "TABLOOP_HISTORY_BATCH_SIZE (5000)" in out.stderr
