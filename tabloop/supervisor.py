@@ -576,6 +576,24 @@ class Supervisor:
             except ProcessLookupError:
                 pass
 
+    @staticmethod
+    def _end_group(pgid: int, grace_s: float = 5.0) -> None:
+        """Wait up to ``grace_s`` for process group ``pgid`` (its leader already reaped) to empty, then
+        SIGKILL what is left."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return  # empty
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def _stop_child(self, child: Child) -> None:
         if child.proc is None:
             if child.state != "not installed":
@@ -589,8 +607,9 @@ class Supervisor:
                 self.note(f"{child.component.name} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it")
                 self._kill(child, signal.SIGKILL)
                 child.proc.wait()
-        else:
-            self._kill(child, signal.SIGKILL)  # anything left in its process group
+        # The rest of its process group (a worker's helpers got the SIGTERM too) may still be exiting when
+        # the leader is gone: a moment's grace, then SIGKILL, so nothing of it outlives the supervisor.
+        self._end_group(child.proc.pid)
         if child.reader is not None:
             child.reader.join(5)
         child.last_exit = child.proc.returncode

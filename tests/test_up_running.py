@@ -175,8 +175,18 @@ def test_up_in_the_foreground_uses_a_running_broker_and_leaves_it_running(kafka,
             proc.kill()
     said = log.read_text(errors="replace")
     assert "Kafka stopped" not in said and ("none of ours was running" in said or "is not ours" in said), said[-2000:]
-    assert _processes_of(state) == []
+    # Everything of its state dir ends with it (a component's helpers may take a moment after their leader).
+    _wait(lambda: _processes_of(state) == [], 30, "no process of the state dir left",
+          explain=lambda: "\n".join(f"{pid}: {_cmdline(pid)}" for pid in _processes_of(state)))
     assert broker_answers(kafka.settings)
     down = _cli(settings, "down", timeout=120)
     assert down.returncode == 0 and "Kafka stopped" not in down.stdout, down.stdout + down.stderr
     assert broker_answers(kafka.settings)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
