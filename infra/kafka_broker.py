@@ -178,20 +178,7 @@ class LocalKafka:
     # -- internals ------------------------------------------------------------
 
     def _java(self) -> str:
-        java = shutil.which(self.java_cmd)
-        if java is None:
-            raise KafkaLaunchError(
-                f"Java ({self.java_cmd!r}) is not on PATH: the local Kafka broker needs Java {MIN_JAVA} or newer. "
-                "Install a JDK or JRE (e.g. `apt-get install openjdk-17-jre-headless`) and retry."
-            )
-        out = subprocess.run([java, "-version"], capture_output=True, text=True)
-        m = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
-        major = int(m.group(1)) if m else 0
-        if major == 1 and m.group(2):  # "1.8.0" style
-            major = int(m.group(2))
-        if major < MIN_JAVA:
-            raise KafkaLaunchError(f"{java} is Java {major or '?'}; Kafka {KAFKA_VERSION} needs Java {MIN_JAVA} or newer")
-        return java
+        return find_java(self.java_cmd, needed_by=f"Kafka {KAFKA_VERSION}")
 
     def _write_config(self, controller_port: int) -> None:
         props = {
@@ -272,6 +259,25 @@ class LocalKafka:
             return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return "(no log)"
+
+
+def find_java(java_cmd: str = "java", *, needed_by: str, min_major: int = MIN_JAVA) -> str:
+    """The path of ``java_cmd`` if it is Java ``min_major`` or newer; KafkaLaunchError saying what is wrong
+    otherwise (``needed_by``: what needs it, for the message). Old "1.8.0"-style versions read as 8."""
+    java = shutil.which(java_cmd)
+    if java is None:
+        raise KafkaLaunchError(
+            f"Java ({java_cmd!r}) is not on PATH: {needed_by} needs Java {min_major} or newer. "
+            "Install a JDK or JRE (e.g. `apt-get install openjdk-17-jre-headless`) and retry."
+        )
+    out = subprocess.run([java, "-version"], capture_output=True, text=True)
+    m = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    major = int(m.group(1)) if m else 0
+    if major == 1 and m.group(2):  # "1.8.0" style
+        major = int(m.group(2))
+    if major < min_major:
+        raise KafkaLaunchError(f"{java} is Java {major or '?'}; {needed_by} needs Java {min_major} or newer")
+    return java
 
 
 def _local_listener(bootstrap: str) -> tuple[str, int]:

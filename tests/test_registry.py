@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import socket
-import struct
 import subprocess
 import tempfile
 import time
@@ -27,12 +26,13 @@ import httpx
 import pytest
 
 from infra.bus import make_codec
-from infra.kafka_broker import free_port
+from infra.kafka_broker import find_java, free_port
 from schemas.codec import CONFLUENT_MAGIC, Codec, UnknownSchemaError
 from schemas.events import EVENT_TYPES
 from schemas.examples import example_event
 from schemas.registry import ConfluentSchemaRegistry, SchemaRegistryError
 from tests.conftest import make_settings
+from tests.test_codec import expected_after_round_trip
 
 APICURIO_VERSION = "2.6.13.Final"
 APICURIO_ARTIFACT = f"io.apicurio:apicurio-registry-app:{APICURIO_VERSION}:zip:all"
@@ -93,17 +93,6 @@ def fetch_apicurio(cache_dir: Path) -> Path:
     return home / RUNNER_JAR
 
 
-def find_java() -> str:
-    java = shutil.which("java")
-    if java is None:
-        raise RegistryLaunchError(f"Java is not on PATH: Apicurio Registry needs Java {MIN_JAVA} or newer")
-    out = subprocess.run([java, "-version"], capture_output=True, text=True)
-    m = re.search(r'version "(\d+)', out.stderr + out.stdout)
-    if not m or int(m.group(1)) < MIN_JAVA:
-        raise RegistryLaunchError(f"{java} is not Java {MIN_JAVA} or newer: {(out.stderr + out.stdout)[:200]}")
-    return java
-
-
 class Apicurio:
     """One Apicurio Registry process (in-memory storage) on 127.0.0.1."""
 
@@ -121,7 +110,7 @@ class Apicurio:
         return f"http://127.0.0.1:{self.port}{CCOMPAT_PATH}"
 
     def start(self, attempts: int = 3) -> None:
-        java = find_java()
+        java = find_java(needed_by=f"Apicurio Registry {APICURIO_VERSION}", min_major=MIN_JAVA)
         # Nothing from the developer's environment configures it (Quarkus reads QUARKUS_*, Apicurio REGISTRY_*).
         env = {k: v for k, v in os.environ.items() if not k.startswith(("QUARKUS_", "REGISTRY_", "APICURIO_"))}
         for attempt in range(1, attempts + 1):
@@ -192,19 +181,6 @@ def server_get(url: str) -> httpx.Response:
     return httpx.get(url, headers={"Accept": CONTENT_TYPE}, timeout=10)
 
 
-def float32(x: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", x))[0]
-
-
-def as_read_back(record: dict) -> dict:
-    """Avro `float` keeps float32 precision; everything else comes back as written."""
-    out = dict(record)
-    for key in ("completion_logprobs", "behaviour_logprobs"):
-        if key in out:
-            out[key] = [float32(x) for x in out[key]]
-    return out
-
-
 def probe_schema(name: str, extra_field: bool = False) -> str:
     fields = [{"name": "a", "type": "string"}]
     if extra_field:
@@ -240,9 +216,9 @@ def test_round_trip_through_the_registry(apicurio, tmp_path, type_name):
     assert fresh.current_body_offset(data, type_name) == 5
     decoded = fresh.decode(data)
     assert decoded.type == type_name
-    assert decoded.record == as_read_back(event.record)
+    assert decoded.record == expected_after_round_trip(event.record)
     # and the encoding codec reads its own bytes back too
-    assert codec.decode(data).record == as_read_back(event.record)
+    assert codec.decode(data).record == expected_after_round_trip(event.record)
 
 
 def test_events_of_different_types_get_different_ids(apicurio, tmp_path):
