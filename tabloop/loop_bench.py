@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from infra.errors import TabloopError
 from trainer.metrics import user_figures
 
 FIGURES = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "reward_mean")
@@ -498,7 +499,6 @@ def _click():
                    ignored_ttl, seed, quick, keep_state, out_dir) -> None:
         """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
         split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
-        from infra.errors import TabloopError
         from infra.kafka_broker import KafkaLaunchError
         from trainer.models import ModelLoadError
 

@@ -10,6 +10,8 @@ import threading
 
 import click
 
+from infra.errors import TabloopError
+
 log = logging.getLogger("tabloop.history")
 
 
@@ -18,8 +20,6 @@ def _settings(ctx: click.Context):
 
 
 def _fail(message: str):
-    from infra.errors import TabloopError
-
     raise TabloopError(message)
 
 

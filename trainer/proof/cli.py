@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from infra.errors import TabloopError
+
 DATASET_HELP = ("humaneval, stdlib:train, stdlib:heldout, source:DIR[:split], or a JSONL file "
                 "(the recipe's {prompt, solutions} or {prefix, suffix, middle})")
 
@@ -19,8 +21,6 @@ def _settings(ctx: click.Context):
 
 
 def _error(message: str) -> click.ClickException:
-    from infra.errors import TabloopError
-
     return TabloopError(message)
 
 

@@ -12,8 +12,8 @@ import json
 
 import click
 
-DATASET_HELP = ("humaneval, stdlib:train, stdlib:heldout, source:DIR[:split], or a JSONL file "
-                "(the recipe's {prompt, solutions} or {prefix, suffix, middle})")
+from infra.errors import TabloopError
+from trainer.proof.cli import DATASET_HELP
 
 _OPTIONS = [
     click.argument("dataset", required=False),
@@ -86,7 +86,6 @@ def offline_requested(ctx: click.Context, params: dict) -> bool:
 
 def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> None:
     """``tabloop train --offline …``: progress on stderr, the run's summary as the last stdout line (JSON)."""
-    from infra.errors import TabloopError
     from trainer.models import ModelLoadError
     from trainer.proof.offline import OfflineConfig, OfflineRun, run_offline
     from trainer.proof.cli import user_from_options
