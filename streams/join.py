@@ -375,17 +375,17 @@ class EpisodeJoiner:
         # feedback a little before it); without a completion, what the client said, if it did.
         decision_ms = (max(times[1] - times[0], 0) if completion and fb
                        else (fb or {}).get("time_to_decision_ms") if not completion else None)
+        prompt = (completion or {}).get("prompt") or (fb or {}).get("prompt") or ""
         return new_event(
             "Episode",
             event_id=str(uuid.uuid5(EPISODE_NAMESPACE, f"{completion_id}/{fb['event_id'] if fb else 'ignored'}")),
             joined_at=datetime.fromtimestamp(max(times) / 1000, timezone.utc),
             completion_id=completion_id, project_id=source["project_id"], user_id=source["user_id"],
             policy_version=completion["policy_version"] if completion else None,
-            prompt=(completion or {}).get("prompt") or (fb or {}).get("prompt") or "",
+            prompt=prompt,
             prompt_token_ids=list((completion or {}).get("prompt_token_ids") or []),
             prompt_sha256=source.get("prompt_sha256"),
-            # The cursor as the client sent it: a model without FIM tokens was served the prefix alone.
-            prefix=(completion or {}).get("prefix"), suffix=(completion or {}).get("suffix"),
+            **served_cursor(completion, prompt),
             completion_text=text, completion_token_ids=tokens,
             behaviour_logprobs=logprobs,
             # The distribution the behaviour logprobs are of; an unmatched episode has none (its defaults).
@@ -394,6 +394,15 @@ class EpisodeJoiner:
             reward_components=components, scorer="acceptance", matched=completion is not None,
             feedback_event_id=fb["event_id"] if fb else None, time_to_decision_ms=decision_ms,
         )
+
+
+def served_cursor(completion: dict | None, prompt: str) -> dict:
+    """Episode.prefix/suffix: the cursor as the client sent it, where the served prompt does not hold it (a
+    model without FIM tokens is served the prefix alone). A FIM prompt holds both, and the scorers parse them
+    from it (``streams.scoring.episode_cursor``): not stored twice. Unmatched feedback knows no cursor."""
+    if completion is None or parse_prompt(prompt).is_fim:
+        return {}
+    return {"prefix": completion.get("prefix"), "suffix": completion.get("suffix")}
 
 
 @dataclass

@@ -6,6 +6,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from serving.fim import build_fim_prompt
 from streams.join import JoinConfig, JoinPipeline
 from streams.rewards import RewardSpec, RewardSpecs
 
@@ -64,6 +65,10 @@ def test_the_episode_carries_the_clients_cursor_and_an_unmatched_one_none():
               "suffix": "\n\nprint(f(2))\n"}
     eps, _ = run([("c", served), ("f", feedback(500, cid="c1", shown=None, prompt=None))])
     assert (eps[0].record["prefix"], eps[0].record["suffix"]) == ("def f(x):\n    return", "\n\nprint(f(2))\n")
+    # A FIM prompt holds the cursor itself: not stored twice.
+    fim = {**served, "completion_id": "c2", "prompt": build_fim_prompt("def f(x):\n    return", "\n\nprint(f(2))\n")}
+    eps, _ = run([("c", fim), ("f", feedback(500, cid="c2", shown=None, prompt=None))])
+    assert (eps[0].record["prefix"], eps[0].record["suffix"]) == (None, None)
     eps, _ = run([("f", feedback(500, client_id="k", prompt="zzz")), ("c", completion("tick", 900_000))])
     assert [(e.record["matched"], e.record["prefix"], e.record["suffix"]) for e in eps] == [(False, None, None)]
 
