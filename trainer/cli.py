@@ -1,4 +1,4 @@
-"""The trainer's commands: `tabloop train`, `tabloop weights list|promote|rollback`, `tabloop bench trainer`.
+"""The trainer's commands: `tabloop train`, `tabloop weights list|promote|rollback|evaluate`, `tabloop bench trainer`.
 
 Registered in tabloop/cli.py with one ``add_command`` line each.
 """
@@ -174,6 +174,95 @@ def weights_rollback(ctx: click.Context, version: int | None) -> None:
         raise _error(str(exc)) from None
     _publish(settings, *events)
     click.echo(f"version {current} rolled back; serving goes to version {target}")
+
+
+SINCE_UNITS = {"m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(text: str, now: datetime) -> datetime:
+    """Pure: ``--since`` as an ISO time (UTC unless it says otherwise) or an age: 30m, 6h, 7d."""
+    from datetime import timedelta
+
+    value = text.strip()
+    if value[-1:] in SINCE_UNITS and value[:-1].replace(".", "", 1).isdigit():
+        return now - timedelta(seconds=float(value[:-1]) * SINCE_UNITS[value[-1]])
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"--since: expected an ISO time (2026-12-01T08:00) or an age (30m, 6h, 7d), "
+                         f"got {text!r}") from None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+@weights.command("evaluate")
+@click.argument("version")
+@click.option("--project", default=None, help="Only this project's episodes (default: every project's).")
+@click.option("--since", default=None, help="Only episodes joined since: an ISO time or an age (30m, 6h, 7d).")
+@click.option("--limit", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="At most the newest this many episodes.")
+@click.option("--clip", type=click.FloatRange(min=1.0), default=10.0, show_default=True,
+              help="Importance weights above this are clipped.")
+@click.option("--level", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.9, show_default=True,
+              help="Confidence level of the intervals.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON result.")
+@click.pass_context
+def weights_evaluate(ctx: click.Context, version: str, project: str | None, since: str | None, limit: int,
+                     clip: float, level: float, as_json: bool) -> None:
+    """Estimate VERSION's accept rate among shown, share shown and mean reward on logged episodes.
+
+    Off-policy: each logged episode is weighed by VERSION's probability of the served tokens over the
+    probability of the policy that served them (clipped, self-normalised), so VERSION is judged before any
+    user sees it. VERSION: a version number (0 = the base model) or a weights directory."""
+    from infra.bus import broker_answers, read_topic
+    from schemas.topics import EPISODES
+    from streams.rewards import RewardSpecs
+    from trainer.ope_episodes import evaluate_logged, select_episodes
+    from trainer.proof.evaluate import load_policy
+
+    settings = _settings(ctx)
+    try:
+        since_at = parse_since(since, datetime.now(timezone.utc)) if since else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--since") from None
+    if not broker_answers(settings):
+        raise _error(f"no Kafka answers on {settings.kafka_bootstrap}: run `tabloop kafka start` first")
+    try:
+        model, tokenizer, label = load_policy(settings, version)
+    except ValueError as exc:
+        raise _error(str(exc)) from None
+    episodes = (r.event.record for r in read_topic(settings, EPISODES.name) if r.event is not None)
+    logged = select_episodes(episodes, tokenizer, project=project, since=since_at, limit=limit,
+                             max_prompt_tokens=settings.max_prompt_tokens)
+    spec = RewardSpecs.from_settings(settings)
+    ignored = (spec.for_project(project) if project else spec.default).ignored
+
+    def progress(done: int, total: int) -> None:
+        if not as_json and (done == total or done % 200 < 8):
+            click.echo(f"  scored {done}/{total} episodes under {label}", err=True)
+
+    try:
+        result = evaluate_logged(model, tokenizer, logged, clip=clip, level=level, ignored_reward=ignored,
+                                 progress=progress)
+    except ValueError as exc:
+        raise _error(str(exc)) from None
+    result = {"version": version, "project": project, "since": since_at.isoformat() if since_at else None, **result}
+    if not as_json:
+        click.echo(f"{label} on {result['episodes']} logged episodes"
+                   f"{f' of {project}' if project else ''}: effective sample size "
+                   f"{result['effective_sample_size']:.1f}, {result['clipped_share']:.1%} of weights clipped at {clip:g}")
+        click.echo(f"{'figure':<22} {'estimate':>9} {f'{level:.0%} interval':>18} {'logged':>8}")
+        for name in ("accept_rate_shown", "shown_share", "reward_mean", "reward_mean_dr"):
+            got = result[name]
+            logged_value = result["logged"].get(name.removesuffix("_dr"))
+            if got:
+                interval = f"[{got['low']:.4f}, {got['high']:.4f}]"
+                cells = f"{got['value']:>9.4f} {interval:>18}"
+            else:
+                cells = f"{'-':>9} {'-':>18}"
+            click.echo(f"{name:<22} {cells} {'-' if logged_value is None else f'{logged_value:.4f}':>8}")
+        if result["skipped"]:
+            click.echo("left out: " + ", ".join(f"{n} {why}" for why, n in result["skipped"].items()))
+    click.echo(json.dumps(result))
 
 
 # -- bench ------------------------------------------------------------------------------

@@ -178,34 +178,7 @@ class PolicyTrainer:
         raise RuntimeError("no reference policy (kl_coef is 0)")
 
     def _forward(self, model, batch: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits predicting each completion token (B, C, V), target ids (B, C), mask (B, C)).
-
-        Rows are left-padded so every completion ends in the last column: the
-        logits are then only computed for the last C+1 positions
-        (``logits_to_keep``), not for the whole prompt — with a 150k vocabulary
-        the full logits would dominate memory.
-        """
-        longest_c = max(len(s.completion_ids) for s in batch)
-        longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in batch)
-        ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(batch), longest), dtype=torch.long)
-        targets = torch.full((len(batch), longest_c), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest_c))
-        for row, s in enumerate(batch):
-            seq = s.prompt_ids + s.completion_ids
-            ids[row, longest - len(seq):] = torch.tensor(seq)
-            attn[row, longest - len(seq):] = 1
-            c = len(s.completion_ids)
-            # A completion shorter than the longest sits at the right end of the target window too.
-            targets[row, longest_c - c:] = torch.tensor(s.completion_ids)
-            mask[row, longest_c - c:] = 1.0
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        ids, attn, positions = ids.to(self.device), attn.to(self.device), positions.to(self.device)
-        out = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=longest_c + 1,
-                    use_cache=False)
-        logits = kept_logits(out.logits, longest_c + 1, longest)
-        logits = logits[:, :-1, :]  # position t predicts token t+1: the last one predicts nothing we have
-        return logits, targets.to(self.device), mask.to(self.device)
+        return completion_logits(model, batch, pad_id=self.pad_id, device=self.device)
 
     def update(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One policy update on ``samples``; returns its metrics (loss, KL, clip fraction, entropy, grad norm…)."""
@@ -306,6 +279,39 @@ class PolicyTrainer:
         if self.full:
             self.tokenizer.save_pretrained(out_dir)
         return out_dir
+
+
+def completion_logits(model, batch: Sequence[Sample], *, pad_id: int,
+                      device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits predicting each completion token (B, C, V), target ids (B, C), mask (B, C)).
+
+    Rows are left-padded so every completion ends in the last column: the
+    logits are then only computed for the last C+1 positions
+    (``logits_to_keep``), not for the whole prompt — with a 150k vocabulary
+    the full logits would dominate memory. Row r's first completion token is
+    predicted at column C − len(completion_r).
+    """
+    longest_c = max(len(s.completion_ids) for s in batch)
+    longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in batch)
+    ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), longest), dtype=torch.long)
+    targets = torch.full((len(batch), longest_c), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), longest_c))
+    for row, s in enumerate(batch):
+        seq = s.prompt_ids + s.completion_ids
+        ids[row, longest - len(seq):] = torch.tensor(seq)
+        attn[row, longest - len(seq):] = 1
+        c = len(s.completion_ids)
+        # A completion shorter than the longest sits at the right end of the target window too.
+        targets[row, longest_c - c:] = torch.tensor(s.completion_ids)
+        mask[row, longest_c - c:] = 1.0
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    ids, attn, positions = ids.to(device), attn.to(device), positions.to(device)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=longest_c + 1,
+                use_cache=False)
+    logits = kept_logits(out.logits, longest_c + 1, longest)
+    logits = logits[:, :-1, :]  # position t predicts token t+1: the last one predicts nothing we have
+    return logits, targets.to(device), mask.to(device)
 
 
 def kept_logits(logits: torch.Tensor, keep: int, sequence_length: int) -> torch.Tensor:
