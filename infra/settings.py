@@ -53,6 +53,9 @@ class Settings(BaseModel):
     vllm_api_key: str = Field("", description="Bearer key for the vLLM servers, if they want one")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (transformers engine)")
     max_batch: int = Field(8, ge=1, le=256, description="requests decoded together (transformers engine)")
+    torch_threads: int = Field(0, ge=0, le=1024,
+                               description="CPU threads of each torch process (front door, trainer); 0 = torch's "
+                                           "default, every core; `tabloop up` splits the cores when both run here")
     max_new_tokens: int = Field(256, ge=1, le=8192, description="server-side cap on max_tokens")
     max_prompt_tokens: int = Field(2048, ge=16, le=131072, description="longer prompts lose the top of the prefix")
     exploration_temperature: float | None = Field(None, ge=0, le=2,

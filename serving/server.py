@@ -29,9 +29,11 @@ def make_engine(settings: Settings) -> Engine:
     from transformers.utils import logging as hf_logging
 
     from serving.engines.transformers_engine import TransformersEngine
+    from trainer.models import use_torch_threads
     from trainer.named_models import resolve_model_spec
 
     hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
+    use_torch_threads(settings.torch_threads)
 
     device = settings.device
     if device == "auto":

@@ -399,12 +399,40 @@ def _die_with_parent() -> None:
         pass
 
 
+TORCH_COMPONENTS = ("serve", "trainer")
+"""The components that run a model in torch on this machine (the front door only with the transformers engine)."""
+
+
+def torch_threads_each(settings: Settings, components: Collection[str], cpus: int) -> int:
+    """Pure: the torch threads each model-running child gets; 0 leaves torch's default.
+
+    Two torch processes with a thread per core each thrash the cores between them (``use_torch_threads``
+    in trainer/models.py has the figures), so when the front door (transformers engine) and the trainer
+    both run here, each gets its share of the cores. An operator's TABLOOP_TORCH_THREADS wins.
+    """
+    if settings.torch_threads > 0:
+        return settings.torch_threads
+    running = [c for c in components if c in TORCH_COMPONENTS and (c != "serve" or settings.engine == "transformers")]
+    return max(1, cpus // len(running)) if len(running) > 1 else 0
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 class Supervisor:
     def __init__(self, settings: Settings, components: tuple[Component, ...] = COMPONENTS, *,
                  out: TextIO | None = None, on_all_healthy: Callable[[], None] | None = None,
                  commands: Collection[str] | None = None):
         """``commands``: the subcommands this installation has (``tabloop up`` passes its own); a component
         whose command is not among them is "not installed" and never started. None: all of them are."""
+        installed = [c.name for c in components if commands is None or c.command[0] in commands]
+        threads = torch_threads_each(settings, installed, usable_cpus())
+        if threads != settings.torch_threads:
+            settings = settings.model_copy(update={"torch_threads": threads})
         self.settings = settings
         self.out = out or sys.stdout
         self.on_all_healthy = on_all_healthy
@@ -455,6 +483,9 @@ class Supervisor:
             if child.state == "not installed":
                 self.note(f"{child.component.name}: `tabloop {child.component.command[0]}` is not "
                           "installed in this tabloop; skipped")
+        if self.settings.torch_threads:
+            self.note(f"torch threads per model process: {self.settings.torch_threads} "
+                      f"({usable_cpus()} cores here; TABLOOP_TORCH_THREADS)")
         try:
             while not self._stopping.is_set():
                 self.tick()

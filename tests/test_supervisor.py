@@ -353,3 +353,37 @@ def test_up_refuses_ports_in_use_before_starting_anything(tmp_path):
         up = _cli(settings, "up")
     assert up.returncode == 1 and f"port(s) {port} on 127.0.0.1 are in use" in up.stderr
     assert not (tmp_path / "state" / "kafka").exists() and not (tmp_path / "state" / "run").exists()
+
+
+def test_model_processes_split_the_cores_when_front_door_and_trainer_share_them(tmp_path):
+    settings = make_settings(tmp_path)
+    both = ["serve", "streams", "trainer", "history"]
+    assert sv.torch_threads_each(settings, both, cpus=2) == 1
+    assert sv.torch_threads_each(settings, both, cpus=16) == 8
+    assert sv.torch_threads_each(settings, both, cpus=1) == 1
+    assert sv.torch_threads_each(settings, ["serve", "streams"], cpus=16) == 0  # alone: torch's default
+    assert sv.torch_threads_each(settings.model_copy(update={"engine": "vllm"}), both, cpus=16) == 0
+    assert sv.torch_threads_each(settings.model_copy(update={"torch_threads": 3}), both, cpus=16) == 3
+
+    from infra.settings import to_environ
+
+    supervisor = sv.Supervisor(settings, out=io.StringIO())
+    each = max(1, sv.usable_cpus() // 2)
+    assert supervisor.settings.torch_threads == each
+    assert to_environ(supervisor.settings)["TABLOOP_TORCH_THREADS"] == str(each)  # what every child is given
+    no_trainer = sv.Supervisor(settings, out=io.StringIO(), commands={"serve", "streams", "history"})
+    assert no_trainer.settings.torch_threads == 0
+
+
+def test_the_front_door_engine_takes_its_thread_share(tmp_path, tiny_model):
+    import torch
+
+    from serving.server import make_engine
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        make_engine(make_settings(tmp_path, model=tiny_model, device="cpu", torch_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -258,6 +258,21 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, hidden_size: int = 64, lay
 
 # -- loading -----------------------------------------------------------------
 
+def use_torch_threads(threads: int) -> None:
+    """Cap this process's torch CPU threads (0: leave torch's default, one per core).
+
+    Two torch processes on the same cores, each with a thread per core, do not share them: their OpenMP
+    workers spin-wait for each other. On 2 cores a LoRA update beside a generating front door took 124–130 s
+    at 2 + 2 threads and 38–53 s at 1 + 1 (alone, 22–28 s); the front door generated 1.6 tokens/s against
+    7.6. `tabloop up` sets TABLOOP_TORCH_THREADS for its children (``tabloop.supervisor.torch_threads_each``).
+    """
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+
 def load_model(spec: str, *, device: str = "cpu", dtype: str | None = None,
                local_files_only: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load (model, tokenizer) from a local directory or a hub id; the model is in eval mode on ``device``.

@@ -129,8 +129,10 @@ def episode_sample(episode: dict, tokenizer, *, max_prompt_tokens: int) -> Sampl
 
 class OnlineTrainer:
     def __init__(self, settings: Settings, *, topic: str = EPISODES.name, group_id: str | None = None):
+        from trainer.models import use_torch_threads
         from trainer.named_models import resolve_model_spec
 
+        use_torch_threads(settings.torch_threads)
         self.settings = settings
         self.topic = topic
         self.group_id = group_id or settings.trainer_group
