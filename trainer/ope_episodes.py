@@ -14,30 +14,32 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from trainer.losses import GREEDY_TEMPERATURE, policy_token_logprobs, sampling_log_probs
-from trainer.metrics import is_empty
+from trainer.metrics import is_empty, user_figures
+from trainer.online import episode_sample, episode_sampler
 from trainer.ope import LoggedOutcome, estimate
-from trainer.policy import Sample, completion_logits, make_sample
+from trainer.policy import Sample, completion_logits
 
 
 @dataclass
 class LoggedEpisodes:
     """The episodes OPE can weigh, and how many were left out and why."""
     samples: list[Sample] = field(default_factory=list)
-    behaviour_logprobs: list[float] = field(default_factory=list)
+    """Each as the trainer would train it (``trainer.online.episode_sample``), behaviour logprobs included."""
     shown: list[bool] = field(default_factory=list)
     accepted: list[bool] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
 
-    def skip(self, reason: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+    def skip(self, reason: str, count: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
 
 
 def select_episodes(episodes: Iterable[dict], tokenizer, *, project: str | None = None,
                     since: datetime | None = None, limit: int | None = None,
                     max_prompt_tokens: int = 2048) -> LoggedEpisodes:
     """The episodes of ``project`` joined at or after ``since`` (the newest ``limit`` of them) that carry what
-    a weight needs: the served tokens, their behaviour log-probabilities and a sampler that was not greedy."""
+    a weight needs: the served tokens, their behaviour log-probabilities and a sampler that was not greedy —
+    read by the trainer's own rules (``episode_sampler``, ``episode_sample``)."""
     picked: list[dict] = []
     out = LoggedEpisodes()
     for ep in episodes:
@@ -45,24 +47,18 @@ def select_episodes(episodes: Iterable[dict], tokenizer, *, project: str | None 
             continue
         if since is not None and ep["joined_at"] < since:
             continue
-        token_ids = ep["completion_token_ids"]
-        if not token_ids or len(ep["behaviour_logprobs"]) != len(token_ids):
+        if not ep["completion_token_ids"] or len(ep["behaviour_logprobs"]) != len(ep["completion_token_ids"]):
             out.skip("no behaviour logprobs")  # feedback on a completion we never served, or an old episode
             continue
-        temperature = ep.get("temperature")
-        if temperature is None or temperature <= GREEDY_TEMPERATURE:
-            out.skip("greedy or unknown sampler")  # a point mass: no ratio to weigh it by
+        if episode_sampler(ep)[0] <= GREEDY_TEMPERATURE:
+            out.skip("greedy")  # a point mass: no ratio to weigh it by
             continue
         picked.append(ep)
     if limit is not None and len(picked) > limit:
-        out.skipped["older than the newest --limit"] = len(picked) - limit
+        out.skip("older than the newest --limit", len(picked) - limit)
         picked = picked[-limit:]
     for ep in picked:
-        out.samples.append(make_sample(tokenizer, ep["prompt"] or " ", ep["completion_token_ids"],
-                                       ep["behaviour_logprobs"], 0.0, max_prompt_tokens=max_prompt_tokens,
-                                       prompt_ids=ep.get("prompt_token_ids") or None,
-                                       temperature=float(ep["temperature"]), top_p=float(ep.get("top_p") or 1.0)))
-        out.behaviour_logprobs.append(float(sum(ep["behaviour_logprobs"])))
+        out.samples.append(episode_sample(ep, tokenizer, max_prompt_tokens=max_prompt_tokens))
         out.shown.append(not is_empty(ep["completion_text"]))
         out.accepted.append(ep["outcome"] == "ACCEPTED")
         out.rewards.append(float(ep["reward"]))
@@ -105,18 +101,9 @@ def version_logprobs(model, logged: LoggedEpisodes, *, pad_id: int, end_ids: set
 
 def logged_outcomes(logged: LoggedEpisodes, target_logprobs: Sequence[float],
                     abstain_probs: Sequence[float]) -> list[LoggedOutcome]:
-    return [LoggedOutcome(b, t, shown, accepted, reward, p)
-            for b, t, shown, accepted, reward, p in zip(logged.behaviour_logprobs, target_logprobs, logged.shown,
-                                                         logged.accepted, logged.rewards, abstain_probs)]
-
-
-def logged_figures(logged: LoggedEpisodes) -> dict:
-    """What the logged traffic itself got (the behaviour policies' own figures), to read an estimate against."""
-    n = len(logged.rewards)
-    shown = sum(logged.shown)
-    return {"accept_rate_shown": sum(logged.accepted) / shown if shown else None,
-            "shown_share": shown / n if n else None,
-            "reward_mean": sum(logged.rewards) / n if n else None}
+    return [LoggedOutcome(sum(sample.behaviour_logprobs), t, shown, accepted, reward, p)
+            for sample, t, shown, accepted, reward, p in zip(logged.samples, target_logprobs, logged.shown,
+                                                              logged.accepted, logged.rewards, abstain_probs)]
 
 
 def evaluate_logged(model, tokenizer, logged: LoggedEpisodes, *, clip: float = 10.0, level: float = 0.9,
@@ -135,5 +122,9 @@ def evaluate_logged(model, tokenizer, logged: LoggedEpisodes, *, clip: float = 1
     # and all); with no such episode, the spec's.
     ignored = sum(not_shown) / len(not_shown) if not_shown else ignored_reward
     result = estimate(logged_outcomes(logged, target, abstain), clip=clip, level=level, ignored_reward=ignored)
-    return {**result.as_dict(), "clip": clip, "level": level, "logged": logged_figures(logged),
+    # The log's own figures beside the estimates (the behaviour policies' own, the same formulas as bench loop).
+    rows = [{"shown": "" if shown else None, "accepted": accepted, "accepted_chars": 0, "reward": reward}
+            for shown, accepted, reward in zip(logged.shown, logged.accepted, logged.rewards)]
+    logged_own = {k: v for k, v in user_figures(rows).items() if k in ("accept_rate_shown", "shown_share", "reward_mean")}
+    return {**result.as_dict(), "clip": clip, "level": level, "logged": logged_own,
             "skipped": dict(logged.skipped)}
