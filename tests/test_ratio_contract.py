@@ -45,3 +45,29 @@ def test_the_served_tokens_have_ratio_one_under_the_trainer(tiny_model, temperat
     for sample, current in zip(samples, trainer.sequence_logprobs(samples)):
         ratios = [math.exp(c - b) for c, b in zip(current, sample.behaviour_logprobs)]
         assert ratios == pytest.approx([1.0] * len(ratios), abs=1e-4), (sample.completion_ids, ratios)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_offline_sampler_records_what_the_trainer_recomputes(tiny_model, lora):
+    """``sample_completions`` (KV-cached, prompts of different lengths left-padded) records ratio-1 logprobs.
+
+    Offline runs train on what it records; a cache fed the wrong positions or mask would draw from a
+    different distribution than the trainer recomputes. With ``lora`` the model is peft-wrapped (what
+    ``--lora`` samples from), whose forward names its cache argument differently.
+    """
+    import torch
+
+    from trainer.policy import sample_completions
+
+    model, tok = load_model(tiny_model)
+    trainer = PolicyTrainer(model, tok, UpdateConfig(), full=not lora, seed=0)
+    prompts = [tok.encode(t, add_special_tokens=False) for t in
+               ["x =", "def area(r):\n    return 3.14 *", "import os\nimport sys\n\nclass A:\n    def __init__(self"]]
+    drawn = sample_completions(trainer.model, prompts, max_new_tokens=8, temperature=0.7, top_p=0.9,
+                               generator=torch.Generator().manual_seed(1), eos_id=tok.eos_token_id,
+                               pad_id=trainer.pad_id)
+    assert all(len(ids) == len(lps) >= 1 for ids, lps in drawn)
+    samples = [Sample(p, ids, lps, 0.0, 0.7, 0.9) for p, (ids, lps) in zip(prompts, drawn)]
+    for sample, current in zip(samples, trainer.sequence_logprobs(samples)):
+        ratios = [math.exp(c - b) for c, b in zip(current, sample.behaviour_logprobs)]
+        assert ratios == pytest.approx([1.0] * len(ratios), abs=1e-4), (sample.completion_ids, ratios)

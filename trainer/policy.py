@@ -37,6 +37,7 @@ import torch
 
 from trainer.losses import (DUAL_CLIP_RATIO, GREEDY_TEMPERATURE, entropy_from_logits, kl_k3, masked_mean,
                             policy_token_logprobs, ppo_clipped_loss, sampling_log_probs, token_logprobs)
+from trainer.models import CachedDecoder
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -347,20 +348,11 @@ def sample_completions(model, prompts: Sequence[Sequence[int]], *, max_new_token
     was_training = model.training
     model.eval()
     try:
-        device = next(model.parameters()).device
-        longest = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), longest), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, longest - len(p):] = torch.tensor(list(p))
-            attn[row, longest - len(p):] = 1
-        ids, attn = ids.to(device), attn.to(device)
+        decoder = CachedDecoder.for_prompts(model, prompts, pad_id=pad_id)
         out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         done = [False] * len(prompts)
-        for _ in range(max_new_tokens):
-            positions = (attn.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=1).logits[:, -1]
-            logp = sampling_log_probs(logits, temperature, top_p)
+        for step in range(max_new_tokens):
+            logp = sampling_log_probs(decoder.logits, temperature, top_p)
             nxt = torch.multinomial(logp.exp().cpu(), 1, generator=generator).squeeze(-1)
             for row in range(len(prompts)):
                 if done[row]:
@@ -370,10 +362,9 @@ def sample_completions(model, prompts: Sequence[Sequence[int]], *, max_new_token
                 out[row][1].append(float(logp[row, token]))
                 if eos_id is not None and token == eos_id:
                     done[row] = True
-            if all(done):
+            if all(done) or step == max_new_tokens - 1:
                 break
-            ids = torch.cat([ids, nxt.to(device)[:, None]], dim=1)
-            attn = torch.cat([attn, torch.ones((len(prompts), 1), dtype=attn.dtype, device=device)], dim=1)
+            decoder.step(nxt.to(decoder.logits.device))
         return out
     finally:
         model.train(was_training)

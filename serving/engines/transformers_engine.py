@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import logging
 import queue
 import random
@@ -30,6 +29,7 @@ import torch
 
 from serving.engines.base import Engine, GenerationRequest, TokenStep
 from trainer.losses import GREEDY_TEMPERATURE, sampling_log_probs
+from trainer.models import CachedDecoder
 
 log = logging.getLogger("tabloop.engine")
 _DONE = object()  # end of a request's token stream
@@ -228,18 +228,8 @@ class TransformersEngine(Engine):
     @torch.inference_mode()
     def _generate(self, batch: list[_Slot], model: torch.nn.Module, version: int) -> None:
         device = next(model.parameters()).device
-        longest = max(len(s.request.prompt_ids) for s in batch)
-        ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, slot in enumerate(batch):  # left padding: every prompt ends at the last column
-            p = slot.request.prompt_ids
-            ids[row, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[row, longest - len(p):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache_arg = _cache_argument(type(model))
-        past, logits = _cache_of(out), out.logits[:, -1, :]
+        decoder = CachedDecoder.for_prompts(model, [s.request.prompt_ids for s in batch], pad_id=self.pad_id)
+        logits = decoder.logits
         generators = []
         for slot in batch:
             g = None
@@ -248,7 +238,6 @@ class TransformersEngine(Engine):
                 g.manual_seed(slot.request.seed)
             generators.append(g)
         active = [True] * len(batch)
-        last_pos = positions[:, -1]
         while True:
             next_ids = []
             for row, slot in enumerate(batch):
@@ -273,11 +262,7 @@ class TransformersEngine(Engine):
                 next_ids.append(token)
             if not any(active):
                 return
-            mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=mask.dtype, device=device)], dim=1)
-            last_pos = last_pos + 1
-            out = model(input_ids=torch.tensor(next_ids, device=device)[:, None], attention_mask=mask,
-                        position_ids=last_pos[:, None], use_cache=True, **{cache_arg: past})
-            past, logits = _cache_of(out), out.logits[:, -1, :]
+            logits = decoder.step(torch.tensor(next_ids, device=device))
 
     def _new_text(self, slot: _Slot, finish: str | None) -> str:
         """The text the newest token adds (held back while it ends inside a multi-byte character)."""
@@ -287,18 +272,3 @@ class TransformersEngine(Engine):
             return ""
         new, slot.text_sent = text[slot.text_sent:], len(text)
         return new
-
-
-
-
-@functools.cache
-def _cache_argument(model_class) -> str:
-    """transformers 5 calls the KV cache ``cache``; 4.x called it ``past_key_values``."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def _cache_of(output):
-    cache = output.get("cache")
-    return cache if cache is not None else output.get("past_key_values")
