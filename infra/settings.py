@@ -139,6 +139,18 @@ class Settings(BaseModel):
     canary_share: float = Field(0.0, ge=0, lt=1, description="share of requests a new version serves first; 0 = no canary")
     canary_min_episodes: int = Field(50, ge=1, description="episodes of each version before a canary is decided")
     canary_margin: float = Field(0.05, ge=0, le=1, description="promote unless the canary's accept rate is this much lower")
+    promote_gate: Literal["none", "ope"] = Field(
+        "none", description="ope: a new version is promoted (or put on canary) only if the lower bound of its "
+        "off-policy mean-reward estimate, on episodes held out of training, beats the serving version's logged mean "
+        "reward on the same episodes; otherwise it waits as CANDIDATE")
+    promote_gate_share: float = Field(0.1, gt=0, lt=1, description="(ope gate) share of episodes held out of "
+                                      "training to judge new versions on, chosen by completion id")
+    promote_gate_episodes: int = Field(2000, ge=1, description="(ope gate) newest held-out episodes kept")
+    promote_gate_min_episodes: int = Field(100, ge=1, description="(ope gate) held-out episodes of the serving "
+                                           "version needed to decide; fewer and the new version waits")
+    promote_gate_level: float = Field(0.9, gt=0, lt=1, description="(ope gate) two-sided level of the estimate's "
+                                      "interval whose lower bound must beat the serving version")
+    promote_gate_clip: float = Field(10.0, gt=1, description="(ope gate) importance weights are clipped at this")
 
     @field_validator("kafka_bootstrap")
     @classmethod

@@ -177,7 +177,7 @@ def test_unannounced_version_is_published_on_restart(setup):
     settings, topic, tok, base = setup
     produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
     trainer = OnlineTrainer(settings, topic=topic)
-    trainer._announce = lambda manifest: None  # the process "dies" before publishing
+    trainer._announce = lambda manifest, **_: None  # the process "dies" before publishing
     try:
         trainer.run(max_versions=1)
     finally:

@@ -25,6 +25,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from infra.bus import EventProducer, decode_message, make_codec
 from infra.settings import Settings
 from schemas.topics import EPISODES, WEIGHTS
 from trainer.canary import BASELINE_VERSION, CANARY_SHARE, CanaryTally
+from trainer.gate import OPE_PREFIX, GateDecision, estimate_metrics, gate_decision, gate_reward, in_gate_holdout
 from trainer.losses import GREEDY_TEMPERATURE, BaselineState, baseline_advantages
 from trainer.policy import PolicyTrainer, Sample, UpdateConfig, describe_device, make_sample
 from trainer.weight_store import (Manifest, WeightStore, base_version_event, fold_statuses, promoted_version,
@@ -83,8 +85,14 @@ def episode_sampler(episode: dict) -> tuple[float, float]:
     return (1.0 if temperature is None else float(temperature), 1.0 if top_p is None else float(top_p))
 
 
-def drop_reason(episode: dict, current_version: int, max_staleness: int) -> str | None:
+def drop_reason(episode: dict, current_version: int, max_staleness: int, serving_version: int | None = None
+                ) -> str | None:
     """Why an episode is consumed without training on it, or None to train on it.
+
+    "stale": served by a version more than ``max_staleness`` versions older than the trainer's, unless it is
+    ``serving_version``, the one users are served now. Versions a promotion gate or a canary holds back
+    do not reach users: without that exception the trainer would drop all of today's traffic once it had
+    saved ``max_staleness`` versions nobody was served, and never learn again.
 
     "greedy": served at a temperature at or below GREEDY_TEMPERATURE, the argmax — a point mass, with no
     importance ratio to weigh it by (its probability under any other policy is 0 or 1). Counted in the
@@ -95,7 +103,7 @@ def drop_reason(episode: dict, current_version: int, max_staleness: int) -> str 
     if episode["completion_token_ids"] and episode_sampler(episode)[0] <= GREEDY_TEMPERATURE:
         return "greedy"
     behaviour = episode["policy_version"]
-    if behaviour is not None and current_version - behaviour > max_staleness:
+    if behaviour is not None and behaviour != serving_version and current_version - behaviour > max_staleness:
         return "stale"
     return None
 
@@ -164,6 +172,9 @@ class OnlineTrainer:
         self.weight_records: list[dict] = []
         self._weight_event_ids: set = set()
         self.canary: CanaryTally | None = None
+        # Episodes held out of training for the promotion gate (trainer/gate.py), newest last. Not kept across
+        # restarts: after one, the gate waits for new held-out episodes before it lets a version out.
+        self.gate_episodes: deque[dict] = deque(maxlen=settings.promote_gate_episodes)
         self.writer = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -326,7 +337,13 @@ class OnlineTrainer:
         joined = ep["joined_at"]
         if self.canary is not None:
             self.canary.add(ep["policy_version"], ep["outcome"], int(joined.timestamp() * 1000))
-        reason = drop_reason(ep, self.version, self.settings.trainer_max_staleness)
+        if self.settings.promote_gate == "ope" and in_gate_holdout(ep["completion_id"],
+                                                                   self.settings.promote_gate_share):
+            self.gate_episodes.append(ep)
+            p.dropped["gate_holdout"] = p.dropped.get("gate_holdout", 0) + 1
+            return
+        reason = drop_reason(ep, self.version, self.settings.trainer_max_staleness,
+                             serving_version=promoted_version(self.weight_records, self.base_model))
         if reason is not None:
             p.dropped[reason] = p.dropped.get(reason, 0) + 1
             return
@@ -399,7 +416,7 @@ class OnlineTrainer:
                 episodes_consumed=p.consumed, episodes_trained=p.trained, episodes_dropped=dict(p.dropped),
                 source_topic=self.topic, source_offsets_start=dict(p.offsets_start), source_offsets=dict(p.offsets),
                 episodes_consumed_total=self.total_consumed + p.consumed, metrics=averaged))
-        self._announce(manifest)
+        self._announce(manifest, weights_in_memory=True)
         # Weights and manifest are on disk, Kafka has the WeightVersion: now the offsets may move.
         commit = [TopicPartition(self.topic, int(part), off) for part, off in p.offsets.items()]
         if commit:
@@ -411,8 +428,9 @@ class OnlineTrainer:
                  manifest.episodes_trained, manifest.episodes_dropped or "none", manifest.uri)
         return manifest
 
-    def _announce(self, manifest: Manifest) -> None:
-        """Publish the version's WeightVersion and wait for the ack (the status the settings ask for)."""
+    def _announce(self, manifest: Manifest, *, weights_in_memory: bool = False) -> None:
+        """Publish the version's WeightVersion and wait for the ack (the status the settings ask for, if the
+        promotion gate lets the version out; ``weights_in_memory``: the policy holds this version's weights)."""
         extra = {}
         if self.settings.canary_share > 0:
             status = "CANDIDATE"
@@ -420,6 +438,14 @@ class OnlineTrainer:
                      BASELINE_VERSION: float(promoted_version(self.weight_records, self.base_model))}
         else:
             status = "PROMOTED" if self.settings.auto_promote else "CANDIDATE"
+        if self.settings.promote_gate == "ope" and (status == "PROMOTED" or CANARY_SHARE in extra):
+            decision, figures = self._gate(manifest.version, weights_in_memory)
+            log.info("promotion gate: version %d %s: %s", manifest.version,
+                     "goes out" if decision.passed else "waits as CANDIDATE", decision.reason)
+            if decision.passed:
+                extra = {**extra, **figures}
+            else:
+                status, extra = "CANDIDATE", figures  # no canary share: nobody is served a refused version
         event = version_event(manifest, status, extra)
         self.producer.publish(event)
         self.producer.flush()
@@ -433,6 +459,31 @@ class OnlineTrainer:
             if manifest.version not in announced:
                 log.info("announcing version %d, saved before the last stop but never published", manifest.version)
                 self._announce(manifest)
+
+    def _gate(self, version: int, weights_in_memory: bool) -> tuple[GateDecision, dict[str, float]]:
+        """Estimate ``version`` on the held-out episodes the serving version served (trainer/gate.py)."""
+        from streams.rewards import RewardSpecs
+        from trainer.ope_episodes import evaluate_logged, select_episodes
+
+        serving = promoted_version(self.weight_records, self.base_model)
+        if not weights_in_memory:  # announced after a restart: those weights are not the ones loaded
+            decision = GateDecision(False, f"version {version} was saved before a restart and not re-evaluated")
+            return decision, estimate_metrics(None, serving_version=serving, held_out=0, decision=decision)
+        s = self.settings
+        logged = select_episodes((ep for ep in self.gate_episodes if ep["policy_version"] == serving),
+                                 self.policy.tokenizer, max_prompt_tokens=s.max_prompt_tokens)
+        held_out = len(logged.samples)
+        result = None
+        if held_out >= s.promote_gate_min_episodes:
+            result = evaluate_logged(self.policy.model, self.policy.tokenizer, logged, clip=s.promote_gate_clip,
+                                     level=s.promote_gate_level,
+                                     ignored_reward=RewardSpecs.from_settings(s).default.ignored,
+                                     device=self.policy.device)
+        interval = gate_reward(result) if result else None
+        decision = gate_decision(interval["low"] if interval else None,
+                                 result["logged"].get("reward_mean") if result else None, held_out,
+                                 min_episodes=s.promote_gate_min_episodes)
+        return decision, estimate_metrics(result, serving_version=serving, held_out=held_out, decision=decision)
 
     # -- canary ----------------------------------------------------------------------
 
@@ -459,8 +510,11 @@ class OnlineTrainer:
         tally, self.canary = self.canary, None
         summary = tally.summary()
         log.info("canary: version %d %s (%s)", tally.candidate, decision, summary)
+        # The gate's estimate stays beside the canary's measurement (the history's version_estimates view).
+        estimate = {k: v for r in self.weight_records if r["version"] == tally.candidate
+                    and r["base_model"] == self.base_model for k, v in r["metrics"].items() if k.startswith(OPE_PREFIX)}
         if tally.candidate in self.store.versions():
-            event = version_event(self.store.manifest(tally.candidate), decision, summary)
+            event = version_event(self.store.manifest(tally.candidate), decision, {**estimate, **summary})
         else:  # published by someone else's store: restate what the topic said
             record = next(r for r in reversed(self.weight_records)
                           if r["version"] == tally.candidate and r["base_model"] == self.base_model)

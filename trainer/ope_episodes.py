@@ -79,8 +79,21 @@ def end_token_ids(tokenizer, logged: LoggedEpisodes) -> set[int]:
 def version_logprobs(model, logged: LoggedEpisodes, *, pad_id: int, end_ids: set[int], batch_size: int = 8,
                      device: str = "cpu", progress: Callable[[int, int], None] | None = None
                      ) -> tuple[list[float], list[float]]:
-    """(log π_V(y|x) per episode, π_V(nothing shown | x) per episode) under each episode's own sampler."""
+    """(log π_V(y|x) per episode, π_V(nothing shown | x) per episode) under each episode's own sampler.
+
+    The model is left in the mode it came in (the promotion gate scores the policy the trainer goes on
+    training)."""
+    was_training = model.training
     model.eval()
+    try:
+        return _version_logprobs(model, logged, pad_id=pad_id, end_ids=end_ids, batch_size=batch_size,
+                                 device=device, progress=progress)
+    finally:
+        model.train(was_training)
+
+
+def _version_logprobs(model, logged: LoggedEpisodes, *, pad_id: int, end_ids: set[int], batch_size: int,
+                      device: str, progress: Callable[[int, int], None] | None) -> tuple[list[float], list[float]]:
     seq_logprobs: list[float] = []
     abstain: list[float] = []
     ends = torch.tensor(sorted(end_ids), dtype=torch.long)

@@ -8,7 +8,7 @@
                                                ├─ deadletter
                                                └─ rejects       (messages that did not decode)
                            views: acceptance_by_version, acceptance, shown_vs_accepted,
-                                  latency, latency_by_day, reward_by_version
+                                  latency, latency_by_day, reward_by_version, version_estimates
 
 The same code and SQL run against the embedded engine (``chdb:///dir``) and a
 ClickHouse server (``http://host:8123``), both through clickhouse-connect.
@@ -207,7 +207,36 @@ SELECT policy_version, toDate(joined_at) AS day, count() AS episodes,
 FROM {db}.episodes FINAL
 GROUP BY policy_version, day
 ORDER BY day, policy_version""",
+        # The promotion gate's estimate of each version (trainer/gate.py) and, where a canary then served
+        # it, what the canary measured: the newest event of the version that carries each figure.
+        "version_estimates": f"""
+SELECT base_model, version,
+  argMax(status, created_at) AS status,
+  {_last_metric('ope_gate_passed')} AS gate_passed,
+  {_last_metric('ope_serving_version')} AS serving_version,
+  {_last_metric('ope_held_out')} AS held_out_episodes,
+  {_last_metric('ope_ess')} AS effective_sample_size,
+  {_last_metric('ope_reward_mean_dr')} AS reward_estimate,
+  {_last_metric('ope_reward_mean_dr_low')} AS reward_low,
+  {_last_metric('ope_reward_mean_dr_high')} AS reward_high,
+  {_last_metric('ope_serving_reward_mean')} AS serving_reward,
+  {_last_metric('ope_accept_rate_shown')} AS accept_rate_estimate,
+  {_last_metric('ope_accept_rate_shown_low')} AS accept_rate_low,
+  {_last_metric('ope_accept_rate_shown_high')} AS accept_rate_high,
+  {_last_metric('ope_serving_accept_rate_shown')} AS serving_accept_rate,
+  {_last_metric('ope_shown_share')} AS shown_share_estimate,
+  {_last_metric('canary_candidate_accept_rate')} AS canary_accept_rate,
+  {_last_metric('canary_candidate_episodes')} AS canary_episodes
+FROM {db}.weights FINAL
+GROUP BY base_model, version
+HAVING countIf(mapContains(metrics, 'ope_gate_passed')) > 0
+ORDER BY base_model, version""",
     }
+
+
+def _last_metric(name: str) -> str:
+    """The newest value of a WeightVersion metric among a version's events (NULL if none carries it)."""
+    return f"argMaxIf(toNullable(metrics['{name}']), created_at, mapContains(metrics, '{name}'))"
 
 
 # -- the store: one ClickHouse client, shared by the sink and the SQL server -----------------------------
