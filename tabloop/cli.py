@@ -417,6 +417,43 @@ def _print_running(s: Settings, pid: int, new_key: bool) -> None:
     _print_config(s, addresses, make_key=new_key)
 
 
+@model.command("teach-fim")
+@click.option("--base", default="smollm2", show_default=True,
+              help="A model without FIM tokens: smollm2 (fetched once) or a model directory.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Directory to write (default: the state dir's models/<base>-fim).")
+@click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True, help="Optimizer steps.")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="Wall-clock cap on the fine-tune.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=5e-4, show_default=True)
+@click.option("--lora-rank", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.pass_context
+def model_teach_fim(ctx: click.Context, base: str, out_dir: str | None, steps: int, minutes: float, batch_size: int,
+                    lr: float, lora_rank: int, seed: int) -> None:
+    """Teach a model without FIM tokens (SmolLM2) Qwen's fill-in-the-middle template: the three tokens added,
+    LoRA and their embeddings fine-tuned on the standard library's train split, merged into a new model
+    directory that serving, evaluation and training then prompt with the code after the cursor too."""
+    from pathlib import Path
+
+    from trainer.models import ModelLoadError
+    from trainer.named_models import resolve_model_spec
+    from trainer.teach_fim import TeachFimConfig, teach_fim
+
+    s = _settings(ctx)
+    try:
+        base_dir = Path(resolve_model_spec(s.model_copy(update={"model": base})))
+        out = Path(out_dir) if out_dir else s.state_dir / "models" / f"{base_dir.name}-fim"
+        config = TeachFimConfig(steps=steps, minutes=minutes, batch_size=batch_size, lr=lr, lora_rank=lora_rank,
+                                seed=seed)
+        path, marker = teach_fim(base_dir, out, config)
+    except (ValueError, ModelLoadError) as exc:
+        raise TabloopError(str(exc)) from None
+    click.echo(f"FIM-taught model in {path} (loss {marker['loss_first']} -> {marker['loss_last']}, "
+               f"{marker['steps_done']} steps, stopped by {marker['stopped_by']}); serve it with TABLOOP_MODEL={path}")
+
+
 @model.command("demo")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Directory to write (default: the state dir's models/demo, what TABLOOP_MODEL=demo serves).")

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -183,7 +183,7 @@ def encode_examples(tasks: Sequence[FimTask], tokenizer, seq_len: int, *, seed: 
                     plain_share: float = 0.1) -> list[list[int]]:
     """Token id sequences for pretraining: FIM-formatted tasks, and some plain text, shuffled by ``seed``."""
     vocab = tokenizer.get_vocab()
-    special = {k: vocab[tok] for k, tok in FIM_TOKENS.items()}
+    special = {k: vocab[FIM_TOKENS[k]] for k in ("prefix", "suffix", "middle")}  # the template, not <|fim_pad|>
     eos = tokenizer.eos_token_id
     rng = random.Random(seed)
     # Text is cut before tokenizing: a prefix needs at most ~4 characters per token of room.
@@ -248,7 +248,17 @@ def lr_at_progress(step: int, progress: float, *, base: float, warmup: int) -> f
     return base * (1.0 - 0.9 * (p - start) / COOLDOWN_SHARE)
 
 
-def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: DemoConfig, *, pad_id: int,
+class TrainingSchedule(Protocol):
+    """What ``pretrain`` reads of its config (``DemoConfig``; ``trainer.teach_fim.TeachFimConfig``)."""
+    steps: int
+    minutes: float
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    seed: int
+
+
+def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: TrainingSchedule, *, pad_id: int,
              progress: bool = True) -> tuple[list[float], str]:
     """Next-token training on ``examples``; returns (loss per step, "steps" | "budget").
 
@@ -259,7 +269,9 @@ def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: 
     if not examples:
         raise ValueError("no examples to pretrain on")
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    # Only what trains: a peft model (trainer.teach_fim) holds frozen base weights too.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr,
+                                  betas=(0.9, 0.95), weight_decay=0.1)
     started = time.monotonic()
     budget_s = config.minutes * 60
     history: list[float] = []

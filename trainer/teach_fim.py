@@ -1,0 +1,126 @@
+"""`tabloop model teach-fim`: teach a model without FIM tokens Qwen's fill-in-the-middle template, once.
+
+SmolLM2 has no FIM tokens, so by default the front door shows it only the prefix (``serving.fim``: the
+"prefix" prompt format) and the code after the cursor is lost to it. This adds Qwen's three FIM tokens to
+the tokenizer (new embedding rows start at the mean of the old ones), fine-tunes LoRA adapters and those
+three rows on FIM examples cut from the standard library's train split (``trainer.proof.tasks``, the same
+cursors as evaluation, never a held-out file; a share of plain left-to-right examples so plain prompts
+still work), merges the adapters and writes a model directory. The directory's tokenizer has Qwen's FIM
+tokens, so ``serving.fim.prompt_format`` gives it Qwen's template everywhere — front door, evaluation,
+training — with no setting to change: point ``TABLOOP_MODEL`` at it.
+
+The training loop is the demo model's (``trainer.proof.demo_model.pretrain``: steps or a wall-clock cap,
+whichever ends first, with a warm-up, stable, cool-down schedule that follows the further of the two).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from trainer.models import FIM_TOKENS, MODEL_MARKER
+
+TAUGHT_TOKENS = (FIM_TOKENS["prefix"], FIM_TOKENS["suffix"], FIM_TOKENS["middle"])
+
+
+@dataclass(frozen=True)
+class TeachFimConfig:
+    steps: int = 150
+    minutes: float = 20.0
+    """Wall-clock cap on the fine-tune (loading and saving come on top)."""
+    batch_size: int = 8
+    lr: float = 5e-4
+    warmup_steps: int = 10
+    lora_rank: int = 16
+    seq_len: int = 384
+    per_file: int = 4
+    """FIM examples cut from each train-split file."""
+    plain_share: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "lora_rank", "seq_len", "per_file"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"teach-fim {name} must be positive, got {getattr(self, name)}")
+        if self.minutes <= 0 or self.lr <= 0:
+            raise ValueError("teach-fim minutes and lr must be positive")
+        if not 0 <= self.plain_share < 1:
+            raise ValueError(f"teach-fim plain_share must be in [0, 1), got {self.plain_share}")
+        if self.seq_len < 64:
+            raise ValueError(f"teach-fim seq_len must be at least 64, got {self.seq_len}")
+
+
+def teach_fim(base_dir: Path, out_dir: Path, config: TeachFimConfig = TeachFimConfig(), *,
+              sources: Path | None = None, progress: bool = True,
+              log: Callable[[str], None] | None = None) -> tuple[Path, dict]:
+    """Write ``base_dir`` taught Qwen's FIM template to ``out_dir``; returns (out_dir, its marker).
+
+    ValueError: the base model already has FIM tokens (it needs no teaching), or no train-split file."""
+    from peft import LoraConfig, get_peft_model
+
+    from serving.fim import prompt_format
+    from trainer.models import load_model, lora_target_modules
+    from trainer.proof.demo_model import encode_examples, pretrain
+    from trainer.proof.tasks import build_source_tasks
+
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    started = time.monotonic()
+    out_dir = Path(out_dir)
+    model, tokenizer = load_model(str(base_dir), dtype="float32")
+    if prompt_format(tokenizer).kind != "prefix":
+        raise ValueError(f"{base_dir} already has FIM tokens ({prompt_format(tokenizer).kind}'s template): "
+                         "there is nothing to teach")
+    vocab_before = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(TAUGHT_TOKENS)})
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    new_ids = tokenizer.convert_tokens_to_ids(list(TAUGHT_TOKENS))
+    embeddings = model.get_input_embeddings()
+    embedding_name = next(name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is embeddings)
+
+    say("teach-fim: cutting FIM examples from the standard library's train split")
+    tasks = build_source_tasks(sources, split="train", per_file=config.per_file, seed=config.seed,
+                               prefix_lines=30, suffix_lines=8)
+    if not tasks:
+        raise ValueError(f"no train-split Python files with code lines under {sources or 'the standard library'}")
+    examples = encode_examples(tasks, tokenizer, config.seq_len, seed=config.seed, plain_share=config.plain_share)
+
+    peft_model = get_peft_model(model, LoraConfig(
+        r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules=lora_target_modules(model),
+        trainable_token_indices={embedding_name: new_ids}))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    say(f"teach-fim: LoRA rank {config.lora_rank} and the {len(new_ids)} new token rows ({trainable / 1e6:.1f}M "
+        f"trainable) on {len(examples)} examples, {config.steps} steps or {config.minutes:g} min")
+    history, stopped_by = pretrain(peft_model, examples, config, pad_id=_pad_id(tokenizer), progress=progress)
+    merged = peft_model.merge_and_unload()
+
+    # Built beside the target and moved in whole: a crash never leaves a half model to be served.
+    work = out_dir.with_name(out_dir.name + ".building")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    merged.save_pretrained(work, safe_serialization=True)
+    tokenizer.save_pretrained(work)
+    marker = {"kind": "fim-taught", "base": str(base_dir), "created_by": "tabloop model teach-fim",
+              "config": asdict(config), "vocab": [vocab_before, len(tokenizer)], "tokens": dict(zip(TAUGHT_TOKENS, new_ids)),
+              "steps_done": len(history), "stopped_by": stopped_by,
+              "loss_first": round(_mean(history[:10]), 4), "loss_last": round(_mean(history[-10:]), 4),
+              "examples": len(examples), "seconds": round(time.monotonic() - started, 1)}
+    (work / MODEL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work.rename(out_dir)
+    say(f"teach-fim: {out_dir}: loss {marker['loss_first']} -> {marker['loss_last']} after {marker['steps_done']} "
+        f"steps ({marker['seconds']:.0f} s, stopped by {stopped_by})")
+    return out_dir, marker
+
+
+def _pad_id(tokenizer) -> int:
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
