@@ -139,10 +139,11 @@ class Settings(BaseModel):
     canary_share: float = Field(0.0, ge=0, lt=1, description="share of requests a new version serves first; 0 = no canary")
     canary_min_episodes: int = Field(50, ge=1, description="episodes of each version before a canary is decided")
     canary_margin: float = Field(0.05, ge=0, le=1, description="promote unless the canary's accept rate is this much lower")
-    promote_gate: Literal["none", "ope"] = Field(
+    promote_gate: Literal["none", "ope", "shadow"] = Field(
         "none", description="ope: a new version is promoted (or put on canary) only if the lower bound of its "
         "off-policy mean-reward estimate, on episodes held out of training, beats the serving version's logged mean "
-        "reward on the same episodes; otherwise it waits as CANDIDATE")
+        "reward on the same episodes; otherwise it waits as CANDIDATE. shadow: the same estimate and verdict are "
+        "published with every version, and nothing is held back (to see how the gate would judge before trusting it)")
     promote_gate_share: float = Field(0.1, gt=0, lt=1, description="(ope gate) share of episodes held out of "
                                       "training to judge new versions on, chosen by completion id")
     promote_gate_episodes: int = Field(2000, ge=1, description="(ope gate) newest held-out episodes kept")

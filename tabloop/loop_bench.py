@@ -102,6 +102,16 @@ class LoopBenchConfig:
     max_staleness: int = 16
     """The trainer drops episodes from policies this many versions older: a version per update comes every
     few seconds, and an IGNORED episode arrives ``ignored_ttl_s`` after serving."""
+    save_every: int = 1
+    """Updates per published version."""
+    canary_share: float = 0.0
+    """> 0: every version goes out as a canary on this share of requests, and the trainer decides it."""
+    canary_min_episodes: int = 50
+    promote_gate: str = "none"
+    """none, ope or shadow (``TABLOOP_PROMOTE_GATE``): with ope or shadow every version carries the gate's
+    estimate, and ``ope_vs_canary`` compares it with what its canary measured."""
+    gate_share: float = 0.1
+    gate_min_episodes: int = 100
     ignored_ttl_s: float | None = 15.0
     """A served completion with no feedback this long becomes an IGNORED episode (reward ``ignored``, 0):
     an empty suggestion is never shown, so no feedback ever comes for it, and without these episodes the
@@ -117,6 +127,12 @@ class LoopBenchConfig:
             raise ValueError(f"abandon_share must be in [0, 1), got {self.abandon_share}")
         if self.ignored_ttl_s is not None and self.ignored_ttl_s <= 0:
             raise ValueError(f"ignored_ttl_s must be positive or None, got {self.ignored_ttl_s}")
+        if self.promote_gate not in ("none", "ope", "shadow"):
+            raise ValueError(f"promote_gate must be none, ope or shadow, got {self.promote_gate!r}")
+        if not 0 <= self.canary_share < 1 or not 0 < self.gate_share < 1:
+            raise ValueError("canary_share must be in [0, 1) and gate_share in (0, 1)")
+        if self.save_every < 1 or self.canary_min_episodes < 1 or self.gate_min_episodes < 1:
+            raise ValueError("save_every, canary_min_episodes and gate_min_episodes must be at least 1")
         if self.rule not in ("exact", "similarity"):
             raise ValueError(f"the loop bench's users decide by exact or similarity, got {self.rule!r} "
                              "(the standard library's tasks have no tests)")
@@ -177,6 +193,32 @@ def trainer_figures(weight_records: Iterable[dict], base_model: str) -> list[dic
         out.append({"version": version, **{k: round(m[k], 6) if k in m else None for k in (
             "reward_mean", "accept_rate", "policy_loss", "approx_kl", "staleness_mean")}})
     return out
+
+
+def ope_vs_canary(weight_records: Iterable[dict], base_model: str) -> dict:
+    """Per version, the promotion gate's estimate of its accept rate among shown (with its interval and
+    effective sample size) and the accept rate its canary then measured on live traffic; ``inside`` where
+    both exist: whether the measurement fell in the interval."""
+    rows: dict[int, dict] = {}
+    for r in weight_records:
+        if r["base_model"] != base_model or r["version"] == 0:
+            continue
+        m = r.get("metrics") or {}
+        row = rows.setdefault(r["version"], {"version": r["version"]})
+        if "ope_accept_rate_shown" in m:
+            row.update(estimate=m["ope_accept_rate_shown"], low=m["ope_accept_rate_shown_low"],
+                       high=m["ope_accept_rate_shown_high"], ess=m.get("ope_ess"), held_out=m.get("ope_held_out"),
+                       serving_version=m.get("ope_serving_version"),
+                       serving_accept_rate=m.get("ope_serving_accept_rate_shown"),
+                       gate_passed=m.get("ope_gate_passed"))
+        if "canary_candidate_accept_rate" in m and r["status"] in ("PROMOTED", "ROLLED_BACK"):
+            row.update(measured=m["canary_candidate_accept_rate"], canary_episodes=m.get("canary_candidate_episodes"),
+                       decision=r["status"])
+    compared = [row for row in rows.values() if "estimate" in row and "measured" in row]
+    for row in compared:
+        row["inside"] = row["low"] <= row["measured"] <= row["high"]
+    return {"versions": [rows[v] for v in sorted(rows)], "compared": len(compared),
+            "inside": sum(row["inside"] for row in compared)}
 
 
 def _first_promotions(weight_records: Iterable[dict], base_model: str) -> dict[int, dict]:
@@ -256,9 +298,12 @@ def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: s
         "auth": "open", "model": model_spec, "weight_store": "", "clickhouse_url": "",
         "trainer_device": "cpu", "trainer_batch_size": config.batch_size,
         "trainer_micro_batch": min(8, config.batch_size),
-        "trainer_batch_wait_s": config.batch_wait_s, "trainer_save_every": 1, "trainer_lr": config.lr,
+        "trainer_batch_wait_s": config.batch_wait_s, "trainer_save_every": config.save_every, "trainer_lr": config.lr,
         "trainer_warmup_updates": 0, "trainer_lora_rank": config.lora_rank, "trainer_full_finetune": False,
-        "auto_promote": True, "canary_share": 0.0, "exploration_temperature": config.exploration_temperature,
+        "auto_promote": True, "canary_share": config.canary_share, "canary_min_episodes": config.canary_min_episodes,
+        "promote_gate": config.promote_gate, "promote_gate_share": config.gate_share,
+        "promote_gate_min_episodes": config.gate_min_episodes,
+        "exploration_temperature": config.exploration_temperature,
         # With open auth every user shares one rate-limit bucket; a refused feedback would turn a decision
         # into an IGNORED episode, so the limiter (not what this bench measures) stays out of the way.
         "rate_limit_per_minute": max(base.rate_limit_per_minute, 100_000),
@@ -344,6 +389,10 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
         outcomes = episode_outcomes((r.event.record for r in read_topic(settings, EPISODES.name)
                                      if r.event is not None), SIM_PROJECT)
         trained = trainer_figures(weight_records, model_spec)
+        estimates = ope_vs_canary(weight_records, model_spec)
+        if config.promote_gate != "none":
+            say(f"bench loop: gate estimates vs canary measurements: {estimates['inside']} of "
+                f"{estimates['compared']} measured accept rates inside the estimate's interval")
         say(f"bench loop: episodes {outcomes}; updates with a non-zero loss: "
             f"{sum(1 for t in trained if t['policy_loss'])} of {len(trained)}")
         say(f"bench loop: versions published: {sorted(published) or 'none'}; evaluating each on held-out tasks")
@@ -399,6 +448,10 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
                     "max_staleness": config.max_staleness},
         "abandon_share": config.abandon_share,
         "episodes": outcomes, "updates": trained, "ignored_ttl_s": config.ignored_ttl_s,
+        "ope_vs_canary": estimates,
+        "release": {"save_every": config.save_every, "canary_share": config.canary_share,
+                    "canary_min_episodes": config.canary_min_episodes, "promote_gate": config.promote_gate,
+                    "gate_share": config.gate_share, "gate_min_episodes": config.gate_min_episodes},
         "eval_temperature": config.eval_temperature, "versions_published": len(published),
         "wall_s": round(time.monotonic() - started, 1),
         "files": {name: str(out_dir / name) for name in
@@ -488,6 +541,17 @@ def _click():
     @click.option("--ignored-ttl", type=click.FloatRange(min=0), default=15.0, show_default=True,
                   help="Seconds after which a served completion with no feedback (an empty suggestion, never "
                        "shown) becomes an IGNORED episode with reward 0; 0: no IGNORED episodes.")
+    @click.option("--save-every", type=click.IntRange(min=1), default=1, show_default=True,
+                  help="Updates per published version.")
+    @click.option("--canary-share", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+                  help="> 0: each version goes out as a canary on this share of requests (TABLOOP_CANARY_SHARE).")
+    @click.option("--canary-min-episodes", type=click.IntRange(min=1), default=50, show_default=True)
+    @click.option("--promote-gate", type=click.Choice(["none", "ope", "shadow"]), default="none", show_default=True,
+                  help="TABLOOP_PROMOTE_GATE; with ope or shadow, loop.json compares each version's estimate "
+                       "with what its canary measured (ope_vs_canary).")
+    @click.option("--gate-share", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.1,
+                  show_default=True, help="Share of episodes held out of training for the gate.")
+    @click.option("--gate-min-episodes", type=click.IntRange(min=1), default=100, show_default=True)
     @click.option("--seed", type=int, default=0, show_default=True)
     @click.option("--quick", is_flag=True, help="A short smoke run (2 minutes, 2 users, 16 held-out tasks).")
     @click.option("--keep-state", is_flag=True, help="Keep the bench's state dir (Kafka data, weights, logs).")
@@ -496,7 +560,8 @@ def _click():
     @click.pass_context
     def bench_loop(ctx, minutes, users, model, heldout, train_limit, rule, threshold, batch_size, lr, lora_rank,
                    exploration_temperature, eval_temperature, max_evals, max_tokens, abandon_share, max_staleness,
-                   ignored_ttl, seed, quick, keep_state, out_dir) -> None:
+                   ignored_ttl, save_every, canary_share, canary_min_episodes, promote_gate, gate_share,
+                   gate_min_episodes, seed, quick, keep_state, out_dir) -> None:
         """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
         split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
         from infra.kafka_broker import KafkaLaunchError
@@ -513,7 +578,10 @@ def _click():
                                      eval_temperature=eval_temperature, max_evals=max_evals,
                                      max_tokens=max_tokens, seed=seed, keep_state=keep_state,
                                      abandon_share=abandon_share, max_staleness=max_staleness,
-                                     ignored_ttl_s=ignored_ttl or None)
+                                     ignored_ttl_s=ignored_ttl or None, save_every=save_every,
+                                     canary_share=canary_share, canary_min_episodes=canary_min_episodes,
+                                     promote_gate=promote_gate, gate_share=gate_share,
+                                     gate_min_episodes=gate_min_episodes)
             result = run_loop_bench(ctx.find_root().obj, config, Path(out_dir))
         except (ValueError, RuntimeError, KafkaLaunchError, ModelLoadError) as exc:
             raise TabloopError(str(exc)) from None

@@ -96,3 +96,15 @@ def test_too_few_held_out_episodes_hold_the_version_and_its_canary_back(setup):
     assert "canary_share" not in record["metrics"], "a version the gate refused must not be served to anyone"
     assert record["metrics"]["ope_gate_passed"] == 0.0 and "ope_episodes" not in record["metrics"]
     assert 10 <= record["metrics"]["ope_held_out"] <= held
+
+
+def test_in_shadow_the_verdict_is_published_and_nothing_is_held_back(setup):
+    settings, topic, tok, base = setup
+    settings = _gate_settings(settings, promote_gate="shadow")
+    events, _ = _episodes(tok, base, 72, held_out_accepts_a=False)
+    produce(settings, topic, events)
+    train_once(settings, topic, max_versions=1)
+    [record] = _announced(settings, base)
+    m = record["metrics"]
+    assert (record["status"], m["ope_gate_passed"]) == ("PROMOTED", 0.0), "shadow must not hold a version back"
+    assert m["ope_reward_mean_dr"] < m["ope_serving_reward_mean"]

@@ -155,3 +155,25 @@ def test_trainer_figures_take_each_promoted_version_of_the_base_once():
     assert [f["version"] for f in figs] == [1, 2]
     assert figs[0]["policy_loss"] == 0.0 and figs[0]["accept_rate"] is None
     assert (figs[1]["reward_mean"], figs[1]["accept_rate"], figs[1]["policy_loss"]) == (-0.1, 0.1, 0.012346)
+
+
+def test_ope_vs_canary_pairs_each_versions_estimate_with_its_canarys_measurement():
+    from tabloop.loop_bench import ope_vs_canary
+
+    def rec(version, status, base="m", **metrics):
+        return {"version": version, "status": status, "base_model": base, "metrics": metrics}
+
+    est = dict(ope_accept_rate_shown=0.3, ope_accept_rate_shown_low=0.2, ope_accept_rate_shown_high=0.4, ope_ess=50.0,
+               ope_held_out=120.0, ope_serving_version=0.0, ope_serving_accept_rate_shown=0.25, ope_gate_passed=0.0)
+    records = [rec(1, "CANDIDATE", **est, canary_share=0.5),
+               rec(1, "PROMOTED", **est, canary_candidate_accept_rate=0.35, canary_candidate_episodes=60.0),
+               rec(2, "CANDIDATE", **{**est, "ope_accept_rate_shown_high": 0.31}),
+               rec(2, "ROLLED_BACK", **{**est, "ope_accept_rate_shown_high": 0.31}, canary_candidate_accept_rate=0.33),
+               rec(3, "CANDIDATE", **est),  # replaced before its canary was decided: nothing measured
+               rec(4, "PROMOTED", base="other", **est, canary_candidate_accept_rate=0.9)]
+    got = ope_vs_canary(records, "m")
+    assert (got["compared"], got["inside"]) == (2, 1)
+    one, two, three = got["versions"]
+    assert one["inside"] is True and one["measured"] == 0.35 and one["decision"] == "PROMOTED" and one["ess"] == 50.0
+    assert two["inside"] is False and two["decision"] == "ROLLED_BACK"
+    assert "measured" not in three and "inside" not in three

@@ -337,7 +337,7 @@ class OnlineTrainer:
         joined = ep["joined_at"]
         if self.canary is not None:
             self.canary.add(ep["policy_version"], ep["outcome"], int(joined.timestamp() * 1000))
-        if self.settings.promote_gate == "ope" and in_gate_holdout(ep["completion_id"],
+        if self.settings.promote_gate != "none" and in_gate_holdout(ep["completion_id"],
                                                                    self.settings.promote_gate_share):
             self.gate_episodes.append(ep)
             p.dropped["gate_holdout"] = p.dropped.get("gate_holdout", 0) + 1
@@ -438,11 +438,15 @@ class OnlineTrainer:
                      BASELINE_VERSION: float(promoted_version(self.weight_records, self.base_model))}
         else:
             status = "PROMOTED" if self.settings.auto_promote else "CANDIDATE"
-        if self.settings.promote_gate == "ope" and (status == "PROMOTED" or CANARY_SHARE in extra):
+        gate = self.settings.promote_gate
+        if gate != "none" and (status == "PROMOTED" or CANARY_SHARE in extra):
             decision, figures = self._gate(manifest.version, weights_in_memory)
-            log.info("promotion gate: version %d %s: %s", manifest.version,
-                     "goes out" if decision.passed else "waits as CANDIDATE", decision.reason)
-            if decision.passed:
+            if gate == "shadow":
+                verdict = "would go out" if decision.passed else "would wait (shadow: goes out anyway)"
+            else:
+                verdict = "goes out" if decision.passed else "waits as CANDIDATE"
+            log.info("promotion gate: version %d %s: %s", manifest.version, verdict, decision.reason)
+            if decision.passed or gate == "shadow":
                 extra = {**extra, **figures}
             else:
                 status, extra = "CANDIDATE", figures  # no canary share: nobody is served a refused version
