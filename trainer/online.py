@@ -171,6 +171,8 @@ class OnlineTrainer:
         self.codec = make_codec(settings)
         self.weight_records: list[dict] = []
         self._weight_event_ids: set = set()
+        self.serving_version = 0
+        """The version users are served (``promoted_version`` of the weight records), kept as they come."""
         self.canary: CanaryTally | None = None
         # Episodes held out of training for the promotion gate (trainer/gate.py), newest last. Not kept across
         # restarts: after one, the gate waits for new held-out episodes before it lets a version out.
@@ -297,6 +299,7 @@ class OnlineTrainer:
             return False
         self._weight_event_ids.add(record["event_id"])
         self.weight_records.append(record)
+        self.serving_version = promoted_version(self.weight_records, self.base_model)
         return True
 
     def stop(self) -> None:
@@ -343,7 +346,7 @@ class OnlineTrainer:
             p.dropped["gate_holdout"] = p.dropped.get("gate_holdout", 0) + 1
             return
         reason = drop_reason(ep, self.version, self.settings.trainer_max_staleness,
-                             serving_version=promoted_version(self.weight_records, self.base_model))
+                             serving_version=self.serving_version)
         if reason is not None:
             p.dropped[reason] = p.dropped.get(reason, 0) + 1
             return
@@ -469,7 +472,7 @@ class OnlineTrainer:
         from streams.rewards import RewardSpecs
         from trainer.ope_episodes import evaluate_logged, select_episodes
 
-        serving = promoted_version(self.weight_records, self.base_model)
+        serving = self.serving_version
         if not weights_in_memory:  # announced after a restart: those weights are not the ones loaded
             decision = GateDecision(False, f"version {version} was saved before a restart and not re-evaluated")
             return decision, estimate_metrics(None, serving_version=serving, held_out=0, decision=decision)
