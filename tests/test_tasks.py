@@ -206,6 +206,16 @@ def test_humaneval_tasks_cover_every_problem_deterministically():
         assert not t.prefix.rsplit("\n", 1)[-1].strip() and t.middle.strip() == t.middle.strip(" ")
 
 
+def test_humaneval_splits_by_problem_number_and_cover_the_set():
+    train, heldout = resolve_dataset("humaneval:train"), resolve_dataset("humaneval:heldout")
+    number = lambda t: int(t.task_id.split("/")[1].split(":")[0])  # noqa: E731
+    assert sorted(number(t) for t in train) == list(range(100))
+    assert sorted(number(t) for t in heldout) == list(range(100, 164))
+    assert train + heldout == resolve_dataset("humaneval")  # the same tasks, in problem order
+    with pytest.raises(TaskFormatError, match="humaneval's splits are train"):
+        resolve_dataset("humaneval:test")
+
+
 def test_humaneval_canonical_span_passes_and_a_wrong_one_fails():
     tasks = [t for t in humaneval_tasks(mode="line") if t.middle.startswith("return ")][:4]
     spans = [t for t in humaneval_tasks(mode="span") if t.middle.count("\n") >= 1][:2]

@@ -399,13 +399,29 @@ def humaneval_tasks(*, seed: int = 0, mode: str = "mixed", max_span: int = 3,
     return tasks
 
 
+HUMANEVAL_TRAIN_PROBLEMS = 100
+"""Problems 0–99 are ``humaneval:train``, 100–163 ``humaneval:heldout``: a fixed split by problem number, so
+training on one never sees a problem of the other."""
+
+
+def humaneval_split(task_id: str) -> str:
+    """``train`` or ``heldout`` for a HumanEval task id (``HumanEval/N`` or ``HumanEval/N:a-b``)."""
+    number = int(task_id.split("/", 1)[1].split(":", 1)[0])
+    return "train" if number < HUMANEVAL_TRAIN_PROBLEMS else "heldout"
+
+
 # -- named datasets ----------------------------------------------------------------------
 
 def resolve_dataset(spec: str, *, seed: int = 0, limit: int | None = None, per_file: int = 4,
                     max_files: int | None = None) -> list[FimTask]:
-    """A dataset by name or path: ``humaneval``, ``stdlib:train``, ``stdlib:heldout``, or a JSONL file."""
-    if spec == "humaneval":
-        tasks = humaneval_tasks(seed=seed)
+    """A dataset by name or path: ``humaneval`` (``:train`` problems 0–99, ``:heldout`` 100–163), ``stdlib:train``,
+    ``stdlib:heldout``, or a JSONL file."""
+    if spec == "humaneval" or spec.startswith("humaneval:"):
+        split = spec.partition(":")[2]
+        if split not in ("", "train", "heldout"):
+            raise TaskFormatError(f"humaneval's splits are train (problems 0-{HUMANEVAL_TRAIN_PROBLEMS - 1}) and "
+                                  f"heldout (the rest), got {spec!r}")
+        tasks = [t for t in humaneval_tasks(seed=seed) if not split or humaneval_split(t.task_id) == split]
     elif spec.startswith("stdlib"):
         split = spec.partition(":")[2] or "heldout"
         tasks = build_source_tasks(split=split, seed=seed, per_file=per_file, max_files=max_files)
