@@ -16,8 +16,10 @@ arguments (from the settings object).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 from types import MappingProxyType
@@ -255,6 +257,29 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, hidden_size: int = 64, lay
         json.dumps({"kind": "tiny", **({"arch": arch} if arch != "qwen2" else {}), "seed": seed,
                     "created_by": "tabloop model tiny"}, indent=2) + "\n")
     return out_dir
+
+
+@contextlib.contextmanager
+def building_model_dir(out_dir: Path) -> Iterator[Path]:
+    """A work directory beside ``out_dir`` to build a model in; when the block ends it replaces ``out_dir``
+    whole, and when the block fails it is removed. A crash never leaves a half model to be served."""
+    out_dir = Path(out_dir)
+    work = out_dir.with_name(out_dir.name + ".building")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        yield work
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work.rename(out_dir)
+
+
+def write_model_marker(model_dir: Path, marker: dict) -> None:
+    """The file saying what built a model directory and how (``MODEL_MARKER``)."""
+    (Path(model_dir) / MODEL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
 # -- decoding with the KV cache ------------------------------------------------

