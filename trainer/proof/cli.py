@@ -12,7 +12,8 @@ import click
 
 from infra.errors import TabloopError
 
-DATASET_HELP = ("humaneval, stdlib:train, stdlib:heldout, source:DIR[:split], or a JSONL file "
+DATASET_HELP = ("humaneval (humaneval:train: problems 0-99; humaneval:heldout: the rest), stdlib:train, "
+                "stdlib:heldout, source:DIR[:split], or a JSONL file "
                 "(the recipe's {prompt, solutions} or {prefix, suffix, middle})")
 
 
