@@ -15,7 +15,7 @@ import torch
 
 from trainer.losses import GREEDY_TEMPERATURE, policy_token_logprobs, sampling_log_probs
 from trainer.metrics import is_empty, user_figures
-from trainer.online import episode_sample, episode_sampler
+from trainer.episodes import episode_sample, episode_sampler
 from trainer.ope import LoggedOutcome, estimate
 from trainer.policy import Sample, completion_logits
 
@@ -24,7 +24,7 @@ from trainer.policy import Sample, completion_logits
 class LoggedEpisodes:
     """The episodes OPE can weigh, and how many were left out and why."""
     samples: list[Sample] = field(default_factory=list)
-    """Each as the trainer would train it (``trainer.online.episode_sample``), behaviour logprobs included."""
+    """Each as the trainer would train it (``trainer.episodes.episode_sample``), behaviour logprobs included."""
     shown: list[bool] = field(default_factory=list)
     accepted: list[bool] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)

@@ -1,0 +1,66 @@
+"""An Episode event as the trainer reads it: the sampler it was drawn with, whether it is trained on, and
+the training sample it becomes. The online trainer and off-policy evaluation (``trainer.ope_episodes``)
+read episodes by these same rules."""
+
+from __future__ import annotations
+
+from trainer.losses import GREEDY_TEMPERATURE
+from trainer.policy import Sample, make_sample
+
+
+def episode_sampler(episode: dict) -> tuple[float, float]:
+    """(temperature, top_p) the episode's tokens were sampled with; (1.0, 1.0) for episodes written before
+    Episode carried them (the engines then sampled at the request's temperature, most often 1.0)."""
+    temperature = episode.get("temperature")
+    top_p = episode.get("top_p")
+    return (1.0 if temperature is None else float(temperature), 1.0 if top_p is None else float(top_p))
+
+
+def drop_reason(episode: dict, current_version: int, max_staleness: int, serving_version: int | None = None
+                ) -> str | None:
+    """Why an episode is consumed without training on it, or None to train on it.
+
+    "stale": served by a version more than ``max_staleness`` versions older than the trainer's, unless it is
+    ``serving_version``, the one users are served now. Versions a promotion gate or a canary holds back
+    do not reach users: without that exception the trainer would drop all of today's traffic once it had
+    saved ``max_staleness`` versions nobody was served, and never learn again.
+
+    "greedy": served at a temperature at or below GREEDY_TEMPERATURE, the argmax — a point mass, with no
+    importance ratio to weigh it by (its probability under any other policy is 0 or 1). Counted in the
+    manifest's dropped episodes, so a deployment serving greedily shows up as a trainer that trains on nothing.
+    """
+    if not episode["completion_token_ids"] and not episode.get("completion_text"):
+        return "empty"
+    if episode["completion_token_ids"] and episode_sampler(episode)[0] <= GREEDY_TEMPERATURE:
+        return "greedy"
+    behaviour = episode["policy_version"]
+    if behaviour is not None and behaviour != serving_version and current_version - behaviour > max_staleness:
+        return "stale"
+    return None
+
+
+def episode_sample(episode: dict, tokenizer, *, max_prompt_tokens: int) -> Sample | None:
+    """The training sample (advantage 0 until the batch's baseline) of an episode ``drop_reason`` let
+    through; None when there is no token to train on. ValueError: an episode that can't be a sample.
+
+    What was served is trained as it was served:
+    - the completion is the event's ``completion_token_ids``, the tokens the user saw plus the one that ended
+      them (decided at serving time), never re-derived from the text;
+    - the prompt is the event's ``prompt_token_ids``, the ids the replica fed the model after its trim;
+      only episodes written before they were recorded (``[]``) re-encode the prompt text;
+    - the ratio is taken under the episode's temperature and top-p, the distribution the tokens were drawn
+      from and the behaviour logprobs describe.
+    """
+    token_ids = list(episode["completion_token_ids"])
+    behaviour = (list(episode["behaviour_logprobs"]) if len(episode["behaviour_logprobs"]) == len(token_ids)
+                 else None)
+    temperature, top_p = episode_sampler(episode)
+    if not token_ids:  # off-policy feedback we never served: the text the IDE showed, no behaviour logprobs
+        token_ids = tokenizer.encode(episode["completion_text"], add_special_tokens=False)
+        behaviour = None
+        temperature, top_p = 1.0, 1.0  # no sampler of ours drew it: trained on-policy (ratio 1)
+    if not token_ids:
+        return None
+    return make_sample(tokenizer, episode["prompt"] or " ", token_ids, behaviour, 0.0,
+                       max_prompt_tokens=max_prompt_tokens, prompt_ids=episode.get("prompt_token_ids") or None,
+                       temperature=temperature, top_p=top_p)
