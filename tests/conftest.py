@@ -101,3 +101,11 @@ def tiny_model(tmp_path_factory) -> str:
     from trainer.models import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """A tiny Llama with SmolLM2's special tokens and no FIM tokens: the default model's shape."""
+    from trainer.models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0, arch="llama"))

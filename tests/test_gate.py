@@ -65,7 +65,7 @@ def _weight_event(version: int, status: str, at: datetime, metrics: dict) -> obj
                      episodes_consumed=1, source_offsets={}, metrics=metrics, status=status)
 
 
-def test_version_estimates_view_puts_the_estimate_beside_the_canary(tmp_path):
+def test_version_estimates_view_puts_the_estimate_beside_the_canary():
     from tests.history_fixture import insert_events, new_store
 
     t0 = datetime(2026, 12, 1, tzinfo=timezone.utc)

@@ -27,7 +27,7 @@ from serving.fim import (
     render_prompt,
 )
 from tests.conftest import make_settings
-from trainer.models import ModelLoadError, build_tiny_model, load_model, lora_target_modules
+from trainer.models import ModelLoadError, load_model, lora_target_modules
 from trainer.smollm2 import SMOLLM2, PackagedGGUF, build_packaged_model, packaged_marker
 
 QWEN = ("<|repo_name|>shop\n<|file_sep|>lib/a.py\nA = 1\n<|file_sep|>app.py\n"
@@ -71,11 +71,6 @@ def test_prefix_only_keeps_the_end_from_a_line_start():
 
 
 # -- a tiny Llama without FIM tokens ----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0, arch="llama"))
-
 
 def test_tiny_llama_has_no_fim_tokens_and_stops_on_its_own_specials(tiny_llama, tiny_model):
     model, tok = load_model(tiny_llama)

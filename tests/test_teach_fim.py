@@ -9,15 +9,10 @@ import pytest
 import torch
 
 from serving.fim import prompt_format, prompt_token_ids
-from trainer.models import build_tiny_model, load_model
+from trainer.models import load_model
 from trainer.teach_fim import TAUGHT_TOKENS, TeachFimConfig, teach_fim
 
 SOURCES = Path(__file__).resolve().parents[1] / "trainer"  # Python files to cut FIM examples from
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0, arch="llama"))
 
 
 def test_teach_fim_gives_a_model_without_fim_tokens_qwens_template(tiny_llama, tmp_path):

@@ -150,7 +150,7 @@ class OnlineTrainer:
         status = fold_statuses(self.weight_records, self.base_model).get(self.version)
         if status is None or status.status != "ROLLED_BACK":
             return
-        target = promoted_version(self.weight_records, self.base_model)
+        target = self.serving_version
         if target == self.version:
             return
         manifest = self.store.manifest(target) if target in self.store.versions() else None
@@ -193,7 +193,7 @@ class OnlineTrainer:
 
     def run(self, *, max_versions: int | None = None, idle_exit_s: float | None = None) -> None:
         """Train until stopped (``stop()``, or ``max_versions`` new versions, or idle ``idle_exit_s`` — tests)."""
-        self.weight_records, self._weight_event_ids = [], set()
+        self.weight_records, self._weight_event_ids, self.serving_version = [], set(), 0
         for record in read_weight_records(self.settings):
             self._new_weight_record(record)
         self._publish_unannounced()
@@ -381,7 +381,7 @@ class OnlineTrainer:
         if self.settings.canary_share > 0:
             status = "CANDIDATE"
             extra = {CANARY_SHARE: self.settings.canary_share,
-                     BASELINE_VERSION: float(promoted_version(self.weight_records, self.base_model))}
+                     BASELINE_VERSION: float(self.serving_version)}
         else:
             status = "PROMOTED" if self.settings.auto_promote else "CANDIDATE"
         gate = self.settings.promote_gate
@@ -446,7 +446,7 @@ class OnlineTrainer:
             return
         newest = max(live, key=lambda s: s.version)
         if self.canary is None or self.canary.candidate != newest.version:
-            baseline = int(newest.metrics.get(BASELINE_VERSION, promoted_version(self.weight_records, self.base_model)))
+            baseline = int(newest.metrics.get(BASELINE_VERSION, self.serving_version))
             self.canary = CanaryTally(newest.version, baseline, newest.at_ms)
             log.info("canary: version %d serves %.0f%% of requests, compared with version %d", newest.version,
                      100 * newest.metrics[CANARY_SHARE], baseline)

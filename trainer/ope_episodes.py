@@ -14,8 +14,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from trainer.losses import GREEDY_TEMPERATURE, policy_token_logprobs, sampling_log_probs
-from trainer.metrics import is_empty, user_figures
 from trainer.episodes import episode_sample, episode_sampler
+from trainer.metrics import is_empty, user_figures
 from trainer.ope import LoggedOutcome, estimate
 from trainer.policy import Sample, completion_logits
 
