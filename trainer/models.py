@@ -328,6 +328,72 @@ class CachedDecoder:
         self.logits = out.logits[:, -1, :]
         return self.logits
 
+    @property
+    def rows(self) -> int:
+        return self._mask.shape[0]
+
+    @property
+    def resizable(self) -> bool:
+        """Whether rows can join (``merge``) and leave (``keep``) this batch."""
+        return _plain_cache(self._cache)
+
+    def can_merge(self, other: "CachedDecoder") -> bool:
+        """Whether ``merge`` can take ``other``'s rows: the same model, both caches plain growing key/value
+        tensors (a sliding-window or recurrent cache keeps state that left-padding would corrupt)."""
+        return other.model is self.model and self.resizable and other.resizable
+
+    def merge(self, other: "CachedDecoder") -> None:
+        """Append ``other``'s rows (prompts that arrived while this batch was decoding) to this batch.
+
+        Every row ends at the last column, so the shorter side is left-padded, masked out like any prompt's
+        padding; each row keeps its own positions, so its next logits are what it would get alone. This is
+        what lets the serving engine admit a request at the next step instead of after the whole batch.
+        """
+        if not self.can_merge(other):
+            raise ValueError("these decoders cannot be merged (different models, or a cache that is not "
+                             "plain key/value tensors)")
+        width = max(self._mask.shape[1], other._mask.shape[1])
+
+        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if not missing:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for mine, theirs in zip(self._cache.layers, other._cache.layers):
+            mine.keys = torch.cat([left_pad(mine.keys, -2), left_pad(theirs.keys, -2)], dim=0)
+            mine.values = torch.cat([left_pad(mine.values, -2), left_pad(theirs.values, -2)], dim=0)
+        self._mask = torch.cat([left_pad(self._mask, 1), left_pad(other._mask, 1)], dim=0)
+        self._last_position = torch.cat([self._last_position, other._last_position])
+        self.logits = torch.cat([self.logits, other.logits])
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows (finished ones leave the batch), and drop leading columns that are padding
+        in every row left, so a batch that admits new rows forever does not grow forever."""
+        if not self.resizable:
+            raise ValueError("rows cannot leave this batch: its cache is not plain key/value tensors")
+        index = torch.tensor(rows, dtype=torch.long, device=self._mask.device)
+        self._mask = self._mask.index_select(0, index)
+        self._last_position = self._last_position.index_select(0, index)
+        self.logits = self.logits.index_select(0, index)
+        self._cache.batch_select_indices(index)
+        start = int(self._mask.any(dim=0).int().argmax())  # the first column some row still uses
+        if start:
+            self._mask = self._mask[:, start:]
+            for layer in self._cache.layers:
+                layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
+
+
+def _plain_cache(cache) -> bool:
+    """A transformers DynamicCache whose every layer is a plain growing (batch, heads, length, dim) pair."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return (type(cache) is DynamicCache and bool(layers)
+            and all(type(layer) is DynamicLayer and getattr(layer, "is_initialized", False) for layer in layers))
+
 
 @functools.cache
 def cache_argument(model_class) -> str:

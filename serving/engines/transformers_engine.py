@@ -1,16 +1,22 @@
 """In-process generation with Hugging Face transformers (CPU or GPU).
 
 One generation thread owns the model, so the event loop never waits on a
-forward pass. Requests that arrive together are decoded together as one
-left-padded batch with a KV cache; a new batch starts when the last one ends
-(static batching: simple, and enough for one machine). Weight versions are
-loaded into a second model copy off the generation thread and swapped in
-between batches, so a request runs start to end on one version and its tokens
-are stamped with it.
+forward pass. Requests are decoded together as one left-padded batch with a KV
+cache, and the batch is continuous: between two steps, requests that arrived are
+prefilled and join it (up to ``max_batch`` rows), and finished rows leave it. A
+request that arrives while others are decoding gets its first token after one
+step, not after their whole generation (static batching made the front door's
+time to first token several times the engine's under concurrent clients).
+
+Weight versions are loaded into a second model copy off the generation thread
+and swapped in between steps: requests admitted afterwards run on the new
+version, rows already running finish on theirs, so a request runs start to end
+on one version and its tokens are stamped with it. Each version decodes as its
+own batch.
 
 Canary: a candidate version can be held next to the promoted one; each request
-goes to it with probability ``share`` (decided when its batch forms), and a
-batch with both kinds runs as two sub-batches, one per model.
+goes to it with probability ``share`` (decided when it is admitted) and decodes
+in the candidate's batch.
 """
 
 from __future__ import annotations
@@ -42,14 +48,43 @@ class _Slot:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     cancelled: bool = False
+    finished: bool = False
     generated: list[int] = field(default_factory=list)
     text_sent: int = 0
+    generator: torch.Generator | None = None
 
     def emit(self, item) -> None:
         try:
             self.loop.call_soon_threadsafe(self.out.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening
             self.cancelled = True
+
+    def finish(self) -> None:
+        self.finished = True
+        self.emit(_DONE)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """Rows decoded together on one model version: a KV-cached decoder and the requests of its rows."""
+    version: int
+    decoder: CachedDecoder
+    slots: list[_Slot]
+    device: torch.device
+
+    @classmethod
+    def start(cls, model: torch.nn.Module, version: int, slots: list[_Slot], pad_id: int) -> "_Batch":
+        device = next(model.parameters()).device
+        for slot in slots:
+            if slot.request.seed is not None:
+                slot.generator = torch.Generator(device=device)
+                slot.generator.manual_seed(slot.request.seed)
+        decoder = CachedDecoder.for_prompts(model, [s.request.prompt_ids for s in slots], pad_id=pad_id)
+        return cls(version, decoder, slots, device)
+
+    def absorb(self, other: "_Batch") -> None:
+        self.decoder.merge(other.decoder)
+        self.slots = self.slots + other.slots
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
@@ -91,6 +126,7 @@ class TransformersEngine(Engine):
         self.eos_ids = eos
         self.pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else min(eos)
         self._pending: queue.Queue[_Slot | None] = queue.Queue()
+        self._failed: RuntimeError | None = None  # set when the generation thread has ended
         self._thread = threading.Thread(target=self._run, name="tabloop-generate", daemon=True)
         self._thread.start()
 
@@ -104,6 +140,8 @@ class TransformersEngine(Engine):
     # -- the async side ---------------------------------------------------------
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
+        if self._failed is not None:
+            raise self._failed
         slot = _Slot(request, asyncio.get_running_loop(), asyncio.Queue())
         self._pending.put(slot)
         try:
@@ -160,46 +198,92 @@ class TransformersEngine(Engine):
     # -- the generation thread --------------------------------------------------
 
     def _run(self) -> None:
+        running: list[_Batch] = []
+        waiting: list[_Slot] = []  # arrived, not admitted yet: every row is taken
+        try:
+            self._serve(running, waiting)
+        except BaseException as exc:  # a bug here must fail the requests, not leave them waiting forever
+            log.exception("the generation thread failed")
+            self._failed = RuntimeError(f"the generation thread failed: {exc!r}")
+            slots = [s for b in running for s in b.slots if not s.finished] + waiting
+            slots += [s for s in self._drain_pending() if isinstance(s, _Slot)]
+            for slot in slots:
+                slot.emit(self._failed)
+            raise
+
+    def _serve(self, running: list[_Batch], waiting: list[_Slot]) -> None:
+        closing = False
         while True:
-            first = self._pending.get()
-            if first is None:
-                return
+            if not running and not waiting:
+                if closing:
+                    self._failed = RuntimeError("the engine is closed")
+                    for slot in self._drain_pending():  # came in after the last check
+                        if isinstance(slot, _Slot):
+                            slot.emit(self._failed)
+                    return
+                arrived = self._wait_for_requests()
+            else:  # decoding: take whatever came during the last step, without waiting
+                arrived = self._drain_pending()
+            if None in arrived:
+                closing = True
+            # Between steps: requests admitted from here on see the change; running rows keep the model
+            # they started on, so a request runs start to end on one version.
             self._apply_staged()
-            if first is _WAKE:
-                continue
-            batch = [first]
-            # Requests that arrive within a few ms of each other share a batch: waiting that long
-            # costs less than making a late one wait for the whole batch before it.
-            window_ends = time.monotonic() + self.batch_window_s
-            while len(batch) < self.max_batch:
+            waiting += [s for s in arrived if isinstance(s, _Slot)]
+            waiting = [s for s in waiting if not s.cancelled]
+            if closing:
+                for slot in waiting:
+                    slot.emit(RuntimeError("the engine is shutting down"))
+                waiting = []
+            room = self.max_batch - sum(len(b.slots) for b in running)
+            if room > 0 and waiting:
+                admitted, waiting = waiting[:room], waiting[room:]
+                self._admit(admitted, running)
+            for batch in list(running):  # each version: its own forward pass
                 try:
-                    more = self._pending.get(timeout=max(0.0, window_ends - time.monotonic()))
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._pending.put(None)
-                    break
-                if more is not _WAKE:
-                    batch.append(more)
-            batch = [s for s in batch if not s.cancelled]
-            if not batch:
-                continue
-            for model, version, group in self._split(batch):
-                try:
-                    self._generate(group, model, version)
+                    done = self._advance(batch)
                 except Exception as exc:  # a failed batch fails its requests, not the engine
                     log.exception("generation failed")
-                    for slot in group:
-                        slot.emit(RuntimeError(f"generation failed: {exc}"))
+                    for slot in batch.slots:
+                        if not slot.finished:
+                            slot.emit(RuntimeError(f"generation failed: {exc}"))
+                    done = True
+                if done:
+                    running.remove(batch)
 
-    def _split(self, batch: list[_Slot]) -> list[tuple[torch.nn.Module, int, list[_Slot]]]:
+    def _wait_for_requests(self) -> list:
+        """Block for the next request; then wait ``batch_window_s`` for others to share its prefill."""
+        first = self._pending.get()
+        arrived = [first]
+        if not isinstance(first, _Slot):
+            return arrived
+        window_ends = time.monotonic() + self.batch_window_s
+        while len(arrived) < self.max_batch:
+            try:
+                more = self._pending.get(timeout=max(0.0, window_ends - time.monotonic()))
+            except queue.Empty:
+                break
+            arrived.append(more)
+            if more is None:
+                break
+        return arrived
+
+    def _drain_pending(self) -> list:
+        arrived = []
+        while True:
+            try:
+                arrived.append(self._pending.get_nowait())
+            except queue.Empty:
+                return arrived
+
+    def _split(self, slots: list[_Slot]) -> list[tuple[torch.nn.Module, int, list[_Slot]]]:
         """(model, version, slots) groups: the canary's share of requests goes to the candidate."""
         if self._candidate is None:
-            return [(self._model, self.policy_version, batch)]
+            return [(self._model, self.policy_version, slots)]
         cand_model, cand_version, share = self._candidate
-        to_candidate = [self._route.random() < share for _ in batch]
-        groups = [(self._model, self.policy_version, [s for s, c in zip(batch, to_candidate) if not c]),
-                  (cand_model, cand_version, [s for s, c in zip(batch, to_candidate) if c])]
+        to_candidate = [self._route.random() < share for _ in slots]
+        groups = [(self._model, self.policy_version, [s for s, c in zip(slots, to_candidate) if not c]),
+                  (cand_model, cand_version, [s for s, c in zip(slots, to_candidate) if c])]
         return [g for g in groups if g[2]]
 
     def _apply_staged(self) -> None:
@@ -226,43 +310,57 @@ class TransformersEngine(Engine):
             applied.set()
 
     @torch.inference_mode()
-    def _generate(self, batch: list[_Slot], model: torch.nn.Module, version: int) -> None:
-        device = next(model.parameters()).device
-        decoder = CachedDecoder.for_prompts(model, [s.request.prompt_ids for s in batch], pad_id=self.pad_id)
-        logits = decoder.logits
-        generators = []
-        for slot in batch:
-            g = None
-            if slot.request.seed is not None:
-                g = torch.Generator(device=device)
-                g.manual_seed(slot.request.seed)
-            generators.append(g)
-        active = [True] * len(batch)
-        while True:
-            next_ids = []
-            for row, slot in enumerate(batch):
-                if not active[row] or slot.cancelled:
-                    if active[row]:
-                        active[row] = False
-                        slot.emit(_DONE)
-                    next_ids.append(self.pad_id)
-                    continue
-                req = slot.request
-                token, logprob = sample_token(logits[row], req.temperature, req.top_p, generators[row])
-                slot.generated.append(token)
-                finish = None
-                if token in self.eos_ids:
-                    finish = "stop"
-                elif len(slot.generated) >= req.max_new_tokens:
-                    finish = "length"
-                slot.emit(TokenStep(token, logprob, self._new_text(slot, finish), version, finish))
-                if finish:
-                    active[row] = False
-                    slot.emit(_DONE)
+    def _admit(self, slots: list[_Slot], running: list[_Batch]) -> None:
+        """Prefill newly arrived requests and add them to the running batch of their model (continuous
+        batching: they get their first token at this step, not after the batch before them has finished)."""
+        for model, version, group in self._split(slots):
+            try:
+                batch = _Batch.start(model, version, group, self.pad_id)
+            except Exception as exc:
+                log.exception("prefill failed")
+                for slot in group:
+                    slot.emit(RuntimeError(f"generation failed: {exc}"))
+                continue
+            joined = next((b for b in running if b.version == version and b.decoder.can_merge(batch.decoder)), None)
+            if joined is None:
+                running.append(batch)
+            else:
+                joined.absorb(batch)
+
+    @torch.inference_mode()
+    def _advance(self, batch: _Batch) -> bool:
+        """One step of a running batch: a token for each of its rows, then one forward pass. True when done."""
+        next_ids, keep = [], []
+        for row, slot in enumerate(batch.slots):
+            if slot.finished or slot.cancelled:
+                if not slot.finished:
+                    slot.finish()
+                next_ids.append(self.pad_id)
+                continue
+            req = slot.request
+            token, logprob = sample_token(batch.decoder.logits[row], req.temperature, req.top_p, slot.generator)
+            slot.generated.append(token)
+            finish = None
+            if token in self.eos_ids:
+                finish = "stop"
+            elif len(slot.generated) >= req.max_new_tokens:
+                finish = "length"
+            slot.emit(TokenStep(token, logprob, self._new_text(slot, finish), batch.version, finish))
+            if finish:
+                slot.finish()
+                next_ids.append(self.pad_id)
+            else:
                 next_ids.append(token)
-            if not any(active):
-                return
-            logits = decoder.step(torch.tensor(next_ids, device=device))
+                keep.append(row)
+        if not keep:
+            return True
+        if batch.decoder.resizable and len(keep) < len(batch.slots):
+            # Finished rows leave, so a long-running batch costs only what its live rows cost.
+            batch.decoder.keep(keep)
+            batch.slots = [batch.slots[r] for r in keep]
+            next_ids = [next_ids[r] for r in keep]
+        batch.decoder.step(torch.tensor(next_ids, device=batch.device))
+        return False
 
     def _new_text(self, slot: _Slot, finish: str | None) -> str:
         """The text the newest token adds (held back while it ends inside a multi-byte character)."""
