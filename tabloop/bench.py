@@ -283,11 +283,12 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, seconds: float = 20.0,
-                   guarantee: str = "exactly_once") -> dict:
-    """One streams worker on a broker of its own.
+                   guarantee: str = "exactly_once", workers: int = 1) -> dict:
+    """``workers`` streams workers (one consumer group, the topics' partitions shared out) on a broker of
+    their own.
 
     1. Throughput: ``n`` completions and ``n`` feedback already on the topics; episodes/s from the
-       worker's first episode to its last (its start-up is reported apart).
+       first episode to the last (start-up, group forming included, is reported apart).
     2. Latency: with the worker caught up, completions and feedback published at ``rate`` feedback/s
        for ``seconds``; latency = feedback published → its episode readable (read_committed).
     """
@@ -302,6 +303,11 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
     from infra.kafka_broker import LocalKafka, free_port
     from infra.settings import to_environ
 
+    from infra.errors import TabloopError
+
+    if not 1 <= workers <= settings.topic_partitions:
+        raise TabloopError(f"--workers {workers}: give 1 to the topics' {settings.topic_partitions} partitions "
+                           "(TABLOOP_TOPIC_PARTITIONS); a worker past that would get no partition")
     work = Path(tempfile.mkdtemp(prefix="tabloop-bench-pipeline-"))
     s = settings.model_copy(update={"state_dir": work, "kafka_bootstrap": f"127.0.0.1:{free_port()}",
                                     "topic_partitions": settings.topic_partitions})
@@ -332,12 +338,14 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
                 last_print = time.monotonic()
             if done == len(ids):
                 return max(arrivals[i] for i in ids)
-            if worker.poll() is not None:
-                raise RuntimeError(f"the streams worker exited with {worker.returncode}; see {work}/streams.log")
+            for i, worker in enumerate(pool):
+                if worker.poll() is not None:
+                    raise RuntimeError(f"streams worker {i} exited with {worker.returncode}; "
+                                       f"see {work}/streams-{i}.log")
             time.sleep(0.2)
         return None
 
-    worker = None
+    pool: list[subprocess.Popen] = []
     reader = threading.Thread(target=read_episodes, daemon=True)
     try:
         ensure_topics(s)
@@ -349,23 +357,29 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
         print(f"  {n:,} completions and {n:,} feedback on the topics", file=sys.stderr)
         reader.start()
         t_start = time.perf_counter()
-        worker = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "streams", "--guarantee", guarantee],
-                                  stdout=open(work / "streams.log", "ab"), stderr=subprocess.STDOUT,
-                                  env={**os.environ, **to_environ(s)})
+        for i in range(workers):  # each its own state dir (Faust's data dir), one consumer group
+            pool.append(subprocess.Popen(
+                [sys.executable, "-m", "tabloop.cli", "streams", "--guarantee", guarantee],
+                stdout=open(work / f"streams-{i}.log", "ab"), stderr=subprocess.STDOUT,
+                env={**os.environ, **to_environ(s.model_copy(update={"state_dir": work / f"worker-{i}"}))}))
         ids = [f.event_id for f in feedback]
+
+        def pool_cpu() -> float:
+            return sum(_cpu_seconds(w.pid) for w in pool)
+
         cpu_start = None
-        while cpu_start is None and worker.poll() is None:  # CPU from the first episode on, like the clock
+        while cpu_start is None and all(w.poll() is None for w in pool):  # CPU from the first episode on
             if arrivals:
-                cpu_start = _cpu_seconds(worker.pid)
+                cpu_start = pool_cpu()
             time.sleep(0.05)
         t_end = wait_for(ids, max(600.0, n / 20), "backlog")
-        cpu_backlog = _cpu_seconds(worker.pid) - (cpu_start or 0.0)
+        cpu_backlog = pool_cpu() - (cpu_start or 0.0)
         if t_end is None:
-            raise RuntimeError(f"the worker did not finish {n:,} episodes in time; see {work}/streams.log")
+            raise RuntimeError(f"the workers did not finish {n:,} episodes in time; see {work}/streams-*.log")
         t_first = min(arrivals[i] for i in ids)
         throughput = (n - 1) / (t_end - t_first)
         print(f"  backlog: {n:,} episodes, {throughput:,.0f}/s after a start-up of {t_first - t_start:.1f}s; "
-              f"{cpu_backlog / n * 1000:.2f} ms of worker CPU per episode", file=sys.stderr)
+              f"{cpu_backlog / n * 1000:.2f} ms of worker CPU per episode ({workers} worker(s))", file=sys.stderr)
 
         # Live: each completion shortly before its feedback, feedback at ``rate`` per second.
         m = int(rate * seconds)
@@ -387,15 +401,16 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
         print(f"  live: {len(latencies):,}/{m:,} episodes at {achieved:,.0f} feedback/s", file=sys.stderr)
     finally:
         stop_reading.set()
-        if worker is not None:
+        for worker in pool:
             worker.terminate()
+        for worker in pool:
             try:
                 worker.wait(30)
             except subprocess.TimeoutExpired:
                 worker.kill()
         broker.stop()
     lat = _percentiles(latencies)
-    return _emit({"bench": "pipeline", "guarantee": guarantee, "partitions": s.topic_partitions,
+    return _emit({"bench": "pipeline", "guarantee": guarantee, "partitions": s.topic_partitions, "workers": workers,
                   "backlog_episodes": n, "episodes_per_s": round(throughput),
                   "worker_cpu_ms_per_episode": round(cpu_backlog / n * 1000, 3),
                   "episodes_per_worker_cpu_s": round(n / cpu_backlog) if cpu_backlog else None,

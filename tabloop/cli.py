@@ -637,12 +637,14 @@ def bench_kafka(ctx: click.Context, n: int, partitions: int) -> None:
               help="Length of the live phase.")
 @click.option("--guarantee", type=click.Choice(["exactly_once", "at_least_once"]), default="exactly_once",
               show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Streams workers sharing the partitions (at most TABLOOP_TOPIC_PARTITIONS).")
 @click.pass_context
-def bench_pipeline(ctx: click.Context, n: int, rate: int, seconds: float, guarantee: str) -> None:
-    """Episodes/s of one streams worker and feedback→episode latency (starts a broker of its own)."""
+def bench_pipeline(ctx: click.Context, n: int, rate: int, seconds: float, guarantee: str, workers: int) -> None:
+    """Episodes/s of streams workers and feedback→episode latency (starts a broker of its own)."""
     from tabloop.bench import bench_pipeline as run
 
-    run(_settings(ctx), n=n, rate=rate, seconds=seconds, guarantee=guarantee)
+    run(_settings(ctx), n=n, rate=rate, seconds=seconds, guarantee=guarantee, workers=workers)
 
 
 @bench.command("serving")

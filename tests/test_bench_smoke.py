@@ -37,6 +37,7 @@ def check_history(r):
 
 def check_pipeline(r):
     assert r["backlog_episodes"] == 100 and r["live_complete"] is True and r["live_episodes"] > 0
+    assert r["workers"] == 2  # two workers share the partitions; every episode still arrives
     assert r["episodes_per_s"] > 0 and 0 < r["latency_ms_p50"] <= r["latency_ms_p99"]
 
 
@@ -58,7 +59,7 @@ BENCHES = {
     "kafka": (["--events", "1000", "--partitions", "2"], {}, check_kafka),
     # Batches of 200: the first batch waits for the consumer group and is not timed.
     "history": (["--events", "1000", "--episodes", "1000"], {"history_batch_size": 200}, check_history),
-    "pipeline": (["--events", "100", "--rate", "20", "--seconds", "2"], {}, check_pipeline),
+    "pipeline": (["--events", "100", "--rate", "20", "--seconds", "2", "--workers", "2"], {}, check_pipeline),
     "serving": (["--clients", "2", "--requests", "2", "--max-tokens", "4", "--rounds", "1"], {}, check_serving),
     "trainer": (["--model-shape", "tiny", "--mode", "lora", "--batch", "2", "--micro-batch", "2",
                  "--prompt-tokens", "16", "--completion-tokens", "4", "--updates", "1", "--device", "cpu"], {},
@@ -87,3 +88,9 @@ def test_the_history_bench_refuses_too_few_events_to_time(kafka, tiny_model, tmp
     out = bench("history", ["--events", "1000", "--episodes", "1000"], kafka, tiny_model, tmp_path)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "--events 1000 is too few to time the sink" in out.stderr and "TABLOOP_HISTORY_BATCH_SIZE (5000)" in out.stderr
+
+
+def test_the_pipeline_bench_refuses_more_workers_than_partitions(kafka, tiny_model, tmp_path):
+    out = bench("pipeline", ["--events", "100", "--workers", "7"], kafka, tiny_model, tmp_path, topic_partitions=6)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "--workers 7: give 1 to the topics' 6 partitions" in out.stderr
