@@ -40,7 +40,8 @@ def make_engine(settings: Settings) -> Engine:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return TransformersEngine(resolve_model_spec(settings), device=device, max_batch=settings.max_batch)
+    return TransformersEngine(resolve_model_spec(settings), device=device, max_batch=settings.max_batch,
+                             batch_window_ms=settings.batch_window_ms)
 
 
 def bind(host: str, port: int) -> socket.socket:
