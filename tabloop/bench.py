@@ -300,10 +300,9 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
     from confluent_kafka import Consumer
 
     from infra.bus import EventProducer, ensure_topics
+    from infra.errors import TabloopError
     from infra.kafka_broker import LocalKafka, free_port
     from infra.settings import to_environ
-
-    from infra.errors import TabloopError
 
     if not 1 <= workers <= settings.topic_partitions:
         raise TabloopError(f"--workers {workers}: give 1 to the topics' {settings.topic_partitions} partitions "
