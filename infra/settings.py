@@ -52,7 +52,8 @@ class Settings(BaseModel):
     vllm_urls: str = Field("", description="comma-separated base URLs of vLLM OpenAI servers (engine=vllm)")
     vllm_api_key: str = Field("", description="Bearer key for the vLLM servers, if they want one")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (transformers engine)")
-    max_batch: int = Field(8, ge=1, le=256, description="requests decoded together (transformers engine: rows join and leave between steps)")
+    max_batch: int = Field(8, ge=1, le=256, description="requests decoded together (transformers engine: rows "
+                                                         "join and leave between steps)")
     batch_window_ms: float = Field(5.0, ge=0, le=1000, description="transformers engine: how long a request that "
                                    "finds the engine idle waits for others to share its prefill")
     torch_threads: int = Field(0, ge=0, le=1024,

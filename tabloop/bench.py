@@ -409,8 +409,8 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
                 worker.kill()
         broker.stop()
     lat = _percentiles(latencies)
-    return _emit({"bench": "pipeline", "guarantee": guarantee, "partitions": s.topic_partitions, "workers": workers,
-                  "backlog_episodes": n, "episodes_per_s": round(throughput),
+    return _emit({"bench": "pipeline", "guarantee": guarantee, "partitions": s.topic_partitions,
+                  "workers": workers, "backlog_episodes": n, "episodes_per_s": round(throughput),
                   "worker_cpu_ms_per_episode": round(cpu_backlog / n * 1000, 3),
                   "episodes_per_worker_cpu_s": round(n / cpu_backlog) if cpu_backlog else None,
                   "worker_startup_s": round(t_first - t_start, 1),

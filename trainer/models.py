@@ -333,6 +333,10 @@ class CachedDecoder:
         return self._mask.shape[0]
 
     @property
+    def device(self) -> torch.device:
+        return self._mask.device
+
+    @property
     def resizable(self) -> bool:
         """Whether rows can join (``merge``) and leave (``keep``) this batch."""
         return _plain_cache(self._cache)

@@ -70,17 +70,15 @@ class _Batch:
     version: int
     decoder: CachedDecoder
     slots: list[_Slot]
-    device: torch.device
 
     @classmethod
     def start(cls, model: torch.nn.Module, version: int, slots: list[_Slot], pad_id: int) -> "_Batch":
-        device = next(model.parameters()).device
+        decoder = CachedDecoder.for_prompts(model, [s.request.prompt_ids for s in slots], pad_id=pad_id)
         for slot in slots:
             if slot.request.seed is not None:
-                slot.generator = torch.Generator(device=device)
+                slot.generator = torch.Generator(device=decoder.device)
                 slot.generator.manual_seed(slot.request.seed)
-        decoder = CachedDecoder.for_prompts(model, [s.request.prompt_ids for s in slots], pad_id=pad_id)
-        return cls(version, decoder, slots, device)
+        return cls(version, decoder, slots)
 
     def absorb(self, other: "_Batch") -> None:
         self.decoder.merge(other.decoder)
@@ -359,7 +357,7 @@ class TransformersEngine(Engine):
             batch.decoder.keep(keep)
             batch.slots = [batch.slots[r] for r in keep]
             next_ids = [next_ids[r] for r in keep]
-        batch.decoder.step(torch.tensor(next_ids, device=batch.device))
+        batch.decoder.step(torch.tensor(next_ids, device=batch.decoder.device))
         return False
 
     def _new_text(self, slot: _Slot, finish: str | None) -> str:
