@@ -56,6 +56,9 @@ class Settings(BaseModel):
                                                          "join and leave between steps)")
     batch_window_ms: float = Field(5.0, ge=0, le=1000, description="transformers engine: how long a request that "
                                    "finds the engine idle waits for others to share its prefill")
+    max_adapters: int = Field(32, ge=1, le=4096, description="transformers engine: LoRA versions held in memory "
+                              "at once (shared and per-project); past it the least recently used project is "
+                              "unloaded and served by the shared policy until its next request loads it again")
     torch_threads: int = Field(0, ge=0, le=1024,
                                description="CPU threads of each torch process (front door, trainer); 0 = torch's "
                                            "default, every core; `tabloop up` splits the cores when both run here")

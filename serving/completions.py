@@ -202,7 +202,8 @@ class CompletionRun:
         self.prompt_ids = list(ids) if self.engine.feeds_prompt_ids else []
         self.generation = GenerationRequest(prompt_ids=ids, max_new_tokens=self.params.max_tokens,
                                             temperature=self.params.temperature, top_p=self.params.top_p,
-                                            seed=self.params.seed, prompt_text=self.prompt_text)
+                                            seed=self.params.seed, prompt_text=self.prompt_text,
+                                            project_id=self.project_id)
         return self.generation
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[TokenStep]]]:

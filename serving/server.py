@@ -41,7 +41,7 @@ def make_engine(settings: Settings) -> Engine:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return TransformersEngine(resolve_model_spec(settings), device=device, max_batch=settings.max_batch,
-                             batch_window_ms=settings.batch_window_ms)
+                             batch_window_ms=settings.batch_window_ms, max_adapters=settings.max_adapters)
 
 
 def bind(host: str, port: int) -> socket.socket:

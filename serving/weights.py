@@ -1,15 +1,17 @@
-"""Weight pickup: follow ``tabloop.weights`` and hot-load the promoted version into the engine.
+"""Weight pickup: follow ``tabloop.weights`` and hot-load the promoted versions into the engine.
 
 Every replica reads the whole (compacted) topic without a consumer group, so
-each one sees every decision. The rule: serve the newest PROMOTED version of
-our base model; if the version being served is ROLLED_BACK with nothing
-promoted after it, go back to the base model (version 0). A version that
-fails to load is logged and skipped; the replica keeps serving what it has.
+each one sees every decision. The rule, per project: a WeightVersion names the
+project whose policy it is ("" the shared policy). Serve the newest PROMOTED
+version of our base model; if the version being served is ROLLED_BACK with
+nothing promoted after it, go back to the base model (version 0) for the shared
+policy, and to the shared policy for a project. A version that fails to load is
+logged and skipped; the replica keeps serving what it has.
 
 Canary: a CANDIDATE whose metrics hold ``canary_share`` > 0 is served next to
-the promoted version for that share of requests, until a PROMOTED (it takes
-over, without a reload) or ROLLED_BACK (it is dropped) event for it arrives.
-``next_plan`` is the whole rule, as a pure function.
+the promoted version for that share of its project's requests, until a
+PROMOTED (it takes over, without a reload) or ROLLED_BACK (it is dropped) event
+for it arrives. ``next_plan`` is the whole rule, as a pure function.
 """
 
 from __future__ import annotations
@@ -28,44 +30,66 @@ from serving.engines.base import Engine
 log = logging.getLogger("tabloop.weights")
 
 
-def target_version(current: tuple[int, str, str], event: dict, base_model: str) -> tuple[int, str, str] | None:
-    """Pure rule: given what is served (version, uri, kind) and a WeightVersion record, what to serve next."""
-    if event["base_model"] != base_model:
-        return None
-    version, status = event["version"], event["status"]
-    if status == "PROMOTED" and version != current[0]:
-        return version, event["uri"], event["kind"]
-    if status == "ROLLED_BACK" and version == current[0] and version != 0:
-        return 0, "", "FULL"
-    return None
-
-
 Served = tuple[int, str, str]  # (version, uri, kind)
 BASE: Served = (0, "", "FULL")
 
 
+def project_of(event: dict) -> str:
+    """The project whose policy a WeightVersion is ("" the shared policy; records before the field: shared)."""
+    return event.get("project_id") or ""
+
+
+def target_version(current: Served | None, event: dict, base_model: str, *,
+                   fallback: Served | None = BASE) -> Served | None:
+    """Pure rule: given what is served (version, uri, kind) and a WeightVersion record, what to serve next
+    (``current`` itself when nothing changes). A rollback of what is served goes to ``fallback``: the base
+    model for the shared policy, None (the shared policy) for a project."""
+    if event["base_model"] != base_model:
+        return current
+    version, status = event["version"], event["status"]
+    if status == "PROMOTED" and (current is None or version != current[0]):
+        return version, event["uri"], event["kind"]
+    if status == "ROLLED_BACK" and current is not None and version == current[0] and version != 0:
+        return fallback
+    return current
+
+
 @dataclass(frozen=True)
 class ServingPlan:
-    promoted: Served = BASE
+    promoted: Served | None = BASE
+    """None: a project without a version of its own (the shared policy serves it)."""
     candidate: Served | None = None
     share: float = 0.0
 
 
-def next_plan(plan: ServingPlan, event: dict, base_model: str) -> ServingPlan:
-    """Pure rule: what to serve after a WeightVersion record (the promoted version and an optional canary)."""
+SHARED_PLAN = ServingPlan()
+PROJECT_PLAN = ServingPlan(promoted=None)
+
+
+def next_plan(plan: ServingPlan, event: dict, base_model: str, *, project: bool = False) -> ServingPlan:
+    """Pure rule: what to serve after a WeightVersion record (the promoted version and an optional canary);
+    ``project``: the plan is a project's, whose rollback falls back to the shared policy (None)."""
     if event["base_model"] != base_model:
         return plan
     version, status = event["version"], event["status"]
     candidate = plan.candidate
     if status == "CANDIDATE":
         share = float((event.get("metrics") or {}).get("canary_share", 0.0))
-        if share > 0 and version != plan.promoted[0]:
+        if share > 0 and (plan.promoted is None or version != plan.promoted[0]):
             return replace(plan, candidate=(version, event["uri"], event["kind"]), share=share)
         return plan
     if candidate is not None and candidate[0] == version:  # the canary is decided either way
         plan = replace(plan, candidate=None, share=0.0)
-    promoted = target_version(plan.promoted, event, base_model)
-    return replace(plan, promoted=promoted) if promoted is not None else plan
+    return replace(plan, promoted=target_version(plan.promoted, event, base_model,
+                                                 fallback=None if project else BASE))
+
+
+def next_plans(plans: dict[str, ServingPlan], event: dict, base_model: str) -> dict[str, ServingPlan]:
+    """Pure rule over every project: the record changes the plan of the project it names."""
+    project = project_of(event)
+    plan = plans.get(project, PROJECT_PLAN if project else SHARED_PLAN)
+    after = next_plan(plan, event, base_model, project=bool(project))
+    return plans if after == plan else {**plans, project: after}
 
 
 class WeightWatcher:
@@ -90,11 +114,11 @@ class WeightWatcher:
         consumer = Consumer({"bootstrap.servers": self.settings.kafka_bootstrap, "group.id": "tabloop-weights",
                              "enable.auto.commit": False, "log_level": 3})
         consumer.assign([TopicPartition(WEIGHTS.name, 0, OFFSET_BEGINNING)])
-        current = ServingPlan(promoted=(self.engine.policy_version, "", "FULL"))
+        current = {"": ServingPlan(promoted=(self.engine.policy_version, "", "FULL"))}
         try:
             while not self._stopping:
                 messages = await asyncio.to_thread(consumer.consume, 500, 0.5)
-                # Fold the whole batch first: catching up on history loads one version, not each.
+                # Fold the whole batch first: catching up on history loads one version per project, not each.
                 wanted = current
                 for m in messages:
                     if m.error() is not None:
@@ -103,40 +127,51 @@ class WeightWatcher:
                     if received.event is None:
                         log.error("undecodable weight event at offset %d: %s", m.offset(), received.error)
                         continue
-                    wanted = next_plan(wanted, received.event.record, self.engine.model_name)
+                    wanted = next_plans(wanted, received.event.record, self.engine.model_name)
                 if wanted != current:
-                    current = await self._apply(current, wanted)
+                    current = dict(current)
+                    for project, plan in wanted.items():
+                        before = current.get(project, PROJECT_PLAN if project else SHARED_PLAN)
+                        if plan != before:
+                            current[project] = await self._apply(project, before, plan)
         finally:
             await asyncio.to_thread(consumer.close)
 
-    async def _apply(self, current: ServingPlan, wanted: ServingPlan) -> ServingPlan:
-        """Make the engine serve ``wanted``; returns what it serves now (a failed load keeps the old)."""
+    async def _apply(self, project: str, current: ServingPlan, wanted: ServingPlan) -> ServingPlan:
+        """Make the engine serve ``wanted`` to ``project``; returns what it serves now (a failed load keeps the
+        old)."""
+        label = f"project {project}: " if project else ""
         if not self.canaries:
             wanted = replace(wanted, candidate=None, share=0.0)
         if wanted.promoted != current.promoted:
             try:
-                if current.candidate is not None and wanted.promoted[0] == current.candidate[0]:
-                    await self.engine.promote_candidate()
-                    log.info("serving policy version %d (the canary, promoted)", wanted.promoted[0])
+                if wanted.promoted is None:
+                    await self.engine.drop_project(project)
+                    log.info("%sserved by the shared policy", label)
+                    current = replace(current, promoted=None, candidate=None, share=0.0)
+                elif current.candidate is not None and wanted.promoted[0] == current.candidate[0]:
+                    await self.engine.promote_candidate(project=project)
+                    log.info("%sserving policy version %d (the canary, promoted)", label, wanted.promoted[0])
                     current = replace(current, promoted=current.candidate, candidate=None, share=0.0)
                 else:
                     version, uri, kind = wanted.promoted
-                    await self.engine.load_version(version, await self._local(uri), kind)
-                    log.info("serving policy version %d", version)
+                    await self.engine.load_version(version, await self._local(uri), kind, project=project)
+                    log.info("%sserving policy version %d", label, version)
                     current = replace(current, promoted=wanted.promoted)
             except Exception:
                 self.failures += 1
-                log.exception("could not load policy version %d from %s", wanted.promoted[0], wanted.promoted[1])
+                log.exception("%scould not serve policy version %s", label, wanted.promoted)
         if wanted.candidate != current.candidate or wanted.share != current.share:
             try:
                 if wanted.candidate is None:
-                    if self.engine.candidate_version is not None:
-                        await self.engine.drop_candidate()
-                    log.info("canary ended: serving policy version %d only", current.promoted[0])
+                    await self.engine.drop_candidate(project=project)
+                    log.info("%scanary ended", label)
                 else:
                     version, uri, kind = wanted.candidate
-                    await self.engine.load_candidate(version, await self._local(uri), kind, wanted.share)
-                    log.info("canary: policy version %d serves %.0f%% of requests", version, 100 * wanted.share)
+                    await self.engine.load_candidate(version, await self._local(uri), kind, wanted.share,
+                                                     project=project)
+                    log.info("%scanary: policy version %d serves %.0f%% of requests", label, version,
+                             100 * wanted.share)
                 current = replace(current, candidate=wanted.candidate, share=wanted.share)
             except NotImplementedError as exc:
                 # Serve the promoted version only; a later PROMOTED event for the candidate loads it in full.
@@ -144,7 +179,7 @@ class WeightWatcher:
                 self.canaries = False
             except Exception:
                 self.failures += 1
-                log.exception("could not load canary version %s", wanted.candidate)
+                log.exception("%scould not load canary version %s", label, wanted.candidate)
         return current
 
     async def _local(self, uri: str) -> str:

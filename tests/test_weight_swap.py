@@ -29,12 +29,15 @@ def test_target_version_rule():
     cur = (0, "", "FULL")
     promoted = weight_event(base, 3, "/w/3", "LORA").record
     assert target_version(cur, promoted, base) == (3, "/w/3", "LORA")
-    assert target_version(cur, promoted, "other-model") is None
-    assert target_version((3, "/w/3", "LORA"), promoted, base) is None  # already serving it
-    assert target_version(cur, weight_event(base, 4, "/w/4", "LORA", "CANDIDATE").record, base) is None
+    assert target_version(cur, promoted, "other-model") == cur
+    assert target_version((3, "/w/3", "LORA"), promoted, base) == (3, "/w/3", "LORA")  # already serving it
+    assert target_version(cur, weight_event(base, 4, "/w/4", "LORA", "CANDIDATE").record, base) == cur
     rolled = weight_event(base, 3, "/w/3", "LORA", "ROLLED_BACK").record
     assert target_version((3, "/w/3", "LORA"), rolled, base) == (0, "", "FULL")
-    assert target_version((5, "/w/5", "LORA"), rolled, base) is None  # not what we serve
+    assert target_version((5, "/w/5", "LORA"), rolled, base) == (5, "/w/5", "LORA")  # not what we serve
+    # A project's rollback of its only version falls back to the shared policy (None), not the base model.
+    assert target_version((3, "/w/3", "LORA"), rolled, base, fallback=None) is None
+    assert target_version(None, promoted, base, fallback=None) == (3, "/w/3", "LORA")
 
 
 def make_lora(base_dir: str, out_dir) -> str:

@@ -294,18 +294,28 @@ class CachedDecoder:
     what offline runs train on come from the same computation.
     """
 
-    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor):
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                 adapters: list[str] | None = None):
+        """``adapters``: for a peft model holding several LoRA adapters, each row's adapter name ("__base__":
+        none), so rows of different versions decode in one batch; None for a plain model."""
         self.model = model
         self._mask = mask
+        self.adapters = list(adapters) if adapters is not None else None
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        self._cache_arg = cache_argument(type(model))
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                    **self._adapter_argument())
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._cache_arg = cache_argument(type(inner))
         self._cache = cache_of(out)
         self._last_position = positions[:, -1]
         self.logits = out.logits[:, -1, :]  # (rows, vocabulary): what predicts each row's next token
 
+    def _adapter_argument(self) -> dict:
+        return {"adapter_names": self.adapters} if self.adapters is not None else {}
+
     @classmethod
-    def for_prompts(cls, model: torch.nn.Module, prompts, *, pad_id: int) -> "CachedDecoder":
+    def for_prompts(cls, model: torch.nn.Module, prompts, *, pad_id: int,
+                    adapters: list[str] | None = None) -> "CachedDecoder":
         """Left-pad token-id prompts so every one ends at the last column, and run them through ``model``."""
         longest = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -314,7 +324,7 @@ class CachedDecoder:
             ids[row, longest - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
             mask[row, longest - len(prompt):] = 1
         device = next(model.parameters()).device
-        return cls(model, ids.to(device), mask.to(device))
+        return cls(model, ids.to(device), mask.to(device), adapters)
 
     def step(self, next_ids: torch.Tensor) -> torch.Tensor:
         """Append one token per row (``next_ids``, shape (rows,)); return the logits predicting the next."""
@@ -323,7 +333,7 @@ class CachedDecoder:
         self._last_position = self._last_position + 1
         out = self.model(input_ids=next_ids[:, None], attention_mask=self._mask,
                          position_ids=self._last_position[:, None], use_cache=True,
-                         **{self._cache_arg: self._cache})
+                         **{self._cache_arg: self._cache}, **self._adapter_argument())
         self._cache = cache_of(out)
         self.logits = out.logits[:, -1, :]
         return self.logits
@@ -343,8 +353,10 @@ class CachedDecoder:
 
     def can_merge(self, other: "CachedDecoder") -> bool:
         """Whether ``merge`` can take ``other``'s rows: the same model, both caches plain growing key/value
-        tensors (a sliding-window or recurrent cache keeps state that left-padding would corrupt)."""
-        return other.model is self.model and self.resizable and other.resizable
+        tensors (a sliding-window or recurrent cache keeps state that left-padding would corrupt). Rows of
+        different adapters of one peft model merge: each row keeps its adapter name."""
+        return (other.model is self.model and (self.adapters is None) == (other.adapters is None)
+                and self.resizable and other.resizable)
 
     def merge(self, other: "CachedDecoder") -> None:
         """Append ``other``'s rows (prompts that arrived while this batch was decoding) to this batch.
@@ -372,6 +384,8 @@ class CachedDecoder:
         self._mask = torch.cat([left_pad(self._mask, 1), left_pad(other._mask, 1)], dim=0)
         self._last_position = torch.cat([self._last_position, other._last_position])
         self.logits = torch.cat([self.logits, other.logits])
+        if self.adapters is not None:
+            self.adapters = self.adapters + other.adapters
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (finished ones leave the batch), and drop leading columns that are padding
@@ -382,6 +396,8 @@ class CachedDecoder:
         self._mask = self._mask.index_select(0, index)
         self._last_position = self._last_position.index_select(0, index)
         self.logits = self.logits.index_select(0, index)
+        if self.adapters is not None:
+            self.adapters = [self.adapters[r] for r in rows]
         self._cache.batch_select_indices(index)
         start = int(self._mask.any(dim=0).int().argmax())  # the first column some row still uses
         if start:

@@ -16,6 +16,8 @@ class GenerationRequest:
     seed: int | None = None
     prompt_text: str | None = None
     """The prompt as text, for engines that send text (remote servers tokenize themselves)."""
+    project_id: str = ""
+    """The requesting project: it is served its own promoted version where it has one, else the shared one."""
 
 
 @dataclass(frozen=True)
@@ -54,24 +56,30 @@ class Engine(ABC):
         """Yield tokens as they are generated. Closing the iterator stops generation."""
 
     @abstractmethod
-    async def load_version(self, version: int, uri: str, kind: str) -> None:
+    async def load_version(self, version: int, uri: str, kind: str, *, project: str = "") -> None:
         """Load weight version ``version`` (kind LORA or FULL at ``uri``; version 0 = base) and swap it in
-        between requests; returns once requests that start afterwards use it."""
+        between requests; returns once requests that start afterwards use it. ``project``: the version is
+        that project's policy (its requests only); "" the shared policy (every other request)."""
+
+    async def drop_project(self, project: str) -> None:
+        """The project has no version of its own any more: the shared policy serves it again."""
+        raise NotImplementedError(f"the {self.name} engine does not serve per-project versions")
 
     # -- canaries: a second version serving a share of requests (engines that can hold two) --
 
     candidate_version: int | None = None
+    """The shared policy's canary version, if any."""
 
-    async def load_candidate(self, version: int, uri: str, kind: str, share: float) -> None:
-        """Serve ``share`` of new requests from ``version`` next to the promoted one."""
+    async def load_candidate(self, version: int, uri: str, kind: str, share: float, *, project: str = "") -> None:
+        """Serve ``share`` of the project's new requests from ``version`` next to its promoted one."""
         raise NotImplementedError(f"the {self.name} engine does not serve canaries")
 
-    async def promote_candidate(self) -> None:
-        """The candidate becomes the promoted version (no reload) and serves every request."""
+    async def promote_candidate(self, *, project: str = "") -> None:
+        """The candidate becomes the project's promoted version (no reload) and serves all its requests."""
         raise NotImplementedError(f"the {self.name} engine does not serve canaries")
 
-    async def drop_candidate(self) -> None:
-        """Stop serving the candidate."""
+    async def drop_candidate(self, *, project: str = "") -> None:
+        """Stop serving the project's candidate."""
         raise NotImplementedError(f"the {self.name} engine does not serve canaries")
 
     def ready(self) -> bool:

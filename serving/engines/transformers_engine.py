@@ -8,15 +8,20 @@ request that arrives while others are decoding gets its first token after one
 step, not after their whole generation (static batching made the front door's
 time to first token several times the engine's under concurrent clients).
 
-Weight versions are loaded into a second model copy off the generation thread
-and swapped in between steps: requests admitted afterwards run on the new
-version, rows already running finish on theirs, so a request runs start to end
-on one version and its tokens are stamped with it. Each version decodes as its
-own batch.
+Weight versions: a FULL version is a second model copy, loaded off the
+generation thread; LoRA versions are named adapters of one peft model over the
+base (one copy of the base, however many versions), and a batch holds rows of
+any of them (peft's per-row adapter names). Changes are applied between steps:
+requests admitted afterwards see them, rows already running finish on the
+version they started on, so a request runs start to end on one version and its
+tokens are stamped with it.
 
-Canary: a candidate version can be held next to the promoted one; each request
-goes to it with probability ``share`` (decided when it is admitted) and decodes
-in the candidate's batch.
+Routes: the shared policy, and one per project that has its own promoted
+version (``project``: the request's project id). A route may hold a canary: a
+candidate version that serves ``share`` of its requests (decided when a request
+is admitted). At most ``max_adapters`` LoRA adapters stay loaded: past that,
+the project whose route was least recently used is unloaded and served by the
+shared policy, and its next request loads it again in the background.
 """
 
 from __future__ import annotations
@@ -42,6 +47,33 @@ _DONE = object()  # end of a request's token stream
 _WAKE = object()  # makes an idle generation thread look at staged weights
 
 
+BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a row of a mixed batch
+_ZERO_ADAPTER = "tabloop-zero"  # all-zero LoRA: the peft model's active adapter, so a plain call is the base
+
+
+@dataclass(frozen=True, eq=False)
+class _Policy:
+    """A servable version: the model that computes it and, for a LoRA version, its adapter in that model."""
+    version: int
+    model: torch.nn.Module
+    adapter: str | None = None
+    """The adapter name in the engine's peft model (BASE_ADAPTER for the base); None: ``model`` is plain."""
+    source: tuple[str, str] = ("", "FULL")
+    """(uri, kind) it was loaded from: how to load it again after it was unloaded."""
+
+
+@dataclass(frozen=True)
+class _Route:
+    """What one project (or the shared policy, project "") serves: a promoted version and maybe a canary."""
+    promoted: _Policy | None
+    """None: the project has only a canary; its other requests take the shared policy's promoted version."""
+    candidate: _Policy | None = None
+    share: float = 0.0
+
+    def policies(self) -> list[_Policy]:
+        return [p for p in (self.promoted, self.candidate) if p is not None]
+
+
 @dataclass(eq=False)
 class _Slot:
     request: GenerationRequest
@@ -52,6 +84,7 @@ class _Slot:
     generated: list[int] = field(default_factory=list)
     text_sent: int = 0
     generator: torch.Generator | None = None
+    policy: _Policy | None = None  # set when admitted
 
     def emit(self, item) -> None:
         try:
@@ -66,19 +99,21 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Batch:
-    """Rows decoded together on one model version: a KV-cached decoder and the requests of its rows."""
-    version: int
+    """Rows decoded together by one model (of one version, or of several adapters of the peft model): a
+    KV-cached decoder and the requests of its rows."""
     decoder: CachedDecoder
     slots: list[_Slot]
 
     @classmethod
-    def start(cls, model: torch.nn.Module, version: int, slots: list[_Slot], pad_id: int) -> "_Batch":
-        decoder = CachedDecoder.for_prompts(model, [s.request.prompt_ids for s in slots], pad_id=pad_id)
+    def start(cls, model: torch.nn.Module, slots: list[_Slot], pad_id: int) -> "_Batch":
+        adapters = [s.policy.adapter for s in slots] if slots[0].policy.adapter is not None else None
+        decoder = CachedDecoder.for_prompts(model, [s.request.prompt_ids for s in slots], pad_id=pad_id,
+                                            adapters=adapters)
         for slot in slots:
             if slot.request.seed is not None:
                 slot.generator = torch.Generator(device=decoder.device)
                 slot.generator.manual_seed(slot.request.seed)
-        return cls(version, decoder, slots)
+        return cls(decoder, slots)
 
     def absorb(self, other: "_Batch") -> None:
         self.decoder.merge(other.decoder)
@@ -105,18 +140,24 @@ class TransformersEngine(Engine):
     name = "transformers"
 
     def __init__(self, model_spec: str, *, device: str = "cpu", max_batch: int = 8, batch_window_ms: float = 5.0,
-                 policy_version: int = 0):
-        from trainer.models import load_model
+                 policy_version: int = 0, max_adapters: int = 32):
+        from trainer.models import load_model, lora_target_modules
 
         self.model_name = model_spec
         self.device = device
         self.max_batch = max_batch
+        self.max_adapters = max_adapters
         self.batch_window_s = batch_window_ms / 1000
         self._base_model, self._tokenizer = load_model(model_spec, device=device)
-        self._model = self._base_model
+        self._lora_targets = lora_target_modules(self._base_model)
+        self._peft = None  # the peft model over the base, made when the first LoRA version is loaded
+        self._routes: dict[str, _Route] = {"": _Route(_Policy(policy_version, self._base_model))}
+        self._last_used: dict[str, float] = {}  # project -> when a request last took its route (LRU)
+        self._unloaded: dict[str, _Route] = {}  # project -> the route unloaded past max_adapters
+        self._reloading: set[str] = set()
+        self._adapters_changed = False
         self.policy_version = policy_version
-        self._staged: list[tuple[object, threading.Event]] = []  # changes the generation thread applies
-        self._candidate: tuple[torch.nn.Module, int, float] | None = None  # (model, version, share)
+        self._staged: list[tuple[tuple, threading.Event, list]] = []  # changes the generation thread applies
         self._route = random.Random()
         self._lock = threading.Lock()
         eos = {self._tokenizer.eos_token_id}
@@ -132,6 +173,17 @@ class TransformersEngine(Engine):
     def tokenizer(self):
         return self._tokenizer
 
+    def served_versions(self) -> dict[str, tuple[int, int | None]]:
+        """project ("" = shared) -> (promoted version, canary version or None), as requests are routed now."""
+        shared = self._routes[""].promoted
+        return {project: ((r.promoted or shared).version, r.candidate.version if r.candidate else None)
+                for project, r in dict(self._routes).items()}
+
+    def loaded_adapters(self) -> list[str]:
+        """The LoRA adapters held in memory now (not counting the engine's all-zero one)."""
+        peft = self._peft
+        return [] if peft is None else sorted(n for n in peft.peft_config if n != _ZERO_ADAPTER)
+
     async def close(self) -> None:
         self._pending.put(None)
 
@@ -140,6 +192,10 @@ class TransformersEngine(Engine):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
         if self._failed is not None:
             raise self._failed
+        project = request.project_id
+        if project in self._unloaded and project not in self._reloading:
+            self._reloading.add(project)  # served by the shared policy until its adapter is back
+            asyncio.get_running_loop().create_task(self._reload(project))
         slot = _Slot(request, asyncio.get_running_loop(), asyncio.Queue())
         self._pending.put(slot)
         try:
@@ -153,45 +209,75 @@ class TransformersEngine(Engine):
         finally:
             slot.cancelled = True  # the generation thread drops the row at its next step
 
-    async def load_version(self, version: int, uri: str, kind: str) -> None:
-        model = await asyncio.to_thread(self._build_version, version, uri, kind)
-        await self._stage(("promoted", model, version))
+    async def load_version(self, version: int, uri: str, kind: str, *, project: str = "") -> None:
+        policy = await asyncio.to_thread(self._build_version, version, uri, kind)
+        await self._stage(("promoted", project, policy))
 
-    async def load_candidate(self, version: int, uri: str, kind: str, share: float) -> None:
+    async def load_candidate(self, version: int, uri: str, kind: str, share: float, *, project: str = "") -> None:
         if not 0.0 < share < 1.0:
             raise ValueError(f"a canary's share of requests must be between 0 and 1, got {share}")
-        model = await asyncio.to_thread(self._build_version, version, uri, kind)
-        await self._stage(("candidate", model, version, share))
+        policy = await asyncio.to_thread(self._build_version, version, uri, kind)
+        await self._stage(("candidate", project, policy, share))
 
-    async def promote_candidate(self) -> None:
-        await self._stage(("promote-candidate",))
+    async def promote_candidate(self, *, project: str = "") -> None:
+        await self._stage(("promote-candidate", project))
 
-    async def drop_candidate(self) -> None:
-        await self._stage(("drop-candidate",))
+    async def drop_candidate(self, *, project: str = "") -> None:
+        await self._stage(("drop-candidate", project))
+
+    async def drop_project(self, project: str) -> None:
+        if not project:
+            raise ValueError("the shared policy cannot be dropped (roll it back to a version instead)")
+        await self._stage(("drop-project", project))
+
+    async def _reload(self, project: str) -> None:
+        """Load a project's route again after it was unloaded for room (its next request asked for it)."""
+        try:
+            route = self._unloaded.get(project)
+            if route is None:
+                return
+            for policy in route.policies():
+                if policy is route.candidate:
+                    await self.load_candidate(policy.version, *policy.source, route.share, project=project)
+                else:
+                    await self.load_version(policy.version, *policy.source, project=project)
+            log.info("project %s: its versions %s are loaded again", project, [p.version for p in route.policies()])
+        except Exception:
+            log.exception("project %s: could not load its version again; the shared policy serves it", project)
+        finally:
+            self._reloading.discard(project)
 
     async def _stage(self, change: tuple) -> None:
         """Hand a change to the generation thread; return once requests that start afterwards see it."""
-        applied = threading.Event()
+        applied, failure = threading.Event(), []
         with self._lock:
-            self._staged.append((change, applied))
+            self._staged.append((change, applied, failure))
         self._pending.put(_WAKE)  # an idle engine applies it at once
         await asyncio.to_thread(applied.wait)
+        if failure:
+            raise failure[0]
 
-    def _build_version(self, version: int, uri: str, kind: str) -> torch.nn.Module:
+    def _build_version(self, version: int, uri: str, kind: str) -> _Policy:
+        """A FULL version's model is loaded here (off the generation thread); a LoRA version is only checked
+        here, and becomes an adapter of the peft model on the generation thread (``_policy_of``)."""
         if version == 0 or not uri:
-            return self._base_model
+            return _Policy(0, self._base_model)
         path = uri.removeprefix("file://")
         if kind == "LORA":
-            from peft import PeftModel
+            import json
+            from pathlib import Path
 
-            model = PeftModel.from_pretrained(copy.deepcopy(self._base_model), path).merge_and_unload()
-        elif kind == "FULL":
+            config = Path(path) / "adapter_config.json"
+            if not config.is_file():
+                raise FileNotFoundError(f"version {version}: no LoRA adapter at {path} (no adapter_config.json)")
+            json.loads(config.read_text())  # a broken file fails here, not on the generation thread
+            return _Policy(version, self._base_model, adapter=f"v{version}", source=(uri, kind))
+        if kind == "FULL":
             from trainer.models import load_model
 
             model, _ = load_model(str(path), device=self.device)
-        else:
-            raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
-        return model.eval()
+            return _Policy(version, model.eval(), source=(uri, kind))
+        raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
 
     # -- the generation thread --------------------------------------------------
 
@@ -226,7 +312,9 @@ class TransformersEngine(Engine):
                 closing = True
             # Between steps: requests admitted from here on see the change; running rows keep the model
             # they started on, so a request runs start to end on one version.
-            self._apply_staged()
+            self._apply_staged(running)
+            if self._adapters_changed:
+                self._collect_adapters(running)
             waiting += [s for s in arrived if isinstance(s, _Slot)]
             waiting = [s for s in waiting if not s.cancelled]
             if closing:
@@ -248,6 +336,7 @@ class TransformersEngine(Engine):
                     done = True
                 if done:
                     running.remove(batch)
+                    self._adapters_changed = self._peft is not None
 
     def _wait_for_requests(self) -> list:
         """Block for the next request; then wait ``batch_window_s`` for others to share its prefill."""
@@ -274,52 +363,140 @@ class TransformersEngine(Engine):
             except queue.Empty:
                 return arrived
 
-    def _split(self, slots: list[_Slot]) -> list[tuple[torch.nn.Module, int, list[_Slot]]]:
-        """(model, version, slots) groups: the canary's share of requests goes to the candidate."""
-        if self._candidate is None:
-            return [(self._model, self.policy_version, slots)]
-        cand_model, cand_version, share = self._candidate
-        to_candidate = [self._route.random() < share for _ in slots]
-        groups = [(self._model, self.policy_version, [s for s, c in zip(slots, to_candidate) if not c]),
-                  (cand_model, cand_version, [s for s, c in zip(slots, to_candidate) if c])]
-        return [g for g in groups if g[2]]
+    # -- routes and adapters (generation thread only) ----------------------------
 
-    def _apply_staged(self) -> None:
+    def _apply_staged(self, running: list[_Batch]) -> None:
         with self._lock:
             staged, self._staged = self._staged, []
-        for change, applied in staged:
-            kind = change[0]
-            if kind == "promoted":
-                self._model, self.policy_version = change[1], change[2]
-                if self._candidate is not None and self._candidate[1] == change[2]:
-                    self._candidate = None
-                log.info("now serving policy version %d", self.policy_version)
-            elif kind == "candidate":
-                self._candidate = (change[1], change[2], change[3])
-                log.info("canary: version %d serves %.0f%% of requests", change[2], 100 * change[3])
-            elif kind == "promote-candidate" and self._candidate is not None:
-                self._model, self.policy_version = self._candidate[0], self._candidate[1]
-                self._candidate = None
-                log.info("canary promoted: now serving policy version %d", self.policy_version)
-            elif kind == "drop-candidate":
-                self._candidate = None
-                log.info("canary dropped: serving policy version %d only", self.policy_version)
-            self.candidate_version = self._candidate[1] if self._candidate is not None else None
+        for change, applied, failure in staged:
+            try:
+                self._apply_change(change, running)
+            except Exception as exc:  # the caller (the weight watcher) logs it and keeps what is served
+                failure.append(exc)
             applied.set()
+        if staged:
+            self._collect_adapters(running)
+            shared = self._routes[""]
+            self.policy_version = shared.promoted.version
+            self.candidate_version = shared.candidate.version if shared.candidate is not None else None
+
+    def _apply_change(self, change: tuple, running: list[_Batch]) -> None:
+        kind, project = change[0], change[1]
+        route = self._routes.get(project)
+        label = f"project {project}" if project else "shared policy"
+        if kind == "promoted":
+            policy = self._resident(change[2], running)
+            keep = route is not None and route.candidate is not None and route.candidate.version != policy.version
+            self._routes[project] = _Route(policy, route.candidate if keep else None, route.share if keep else 0.0)
+            self._unloaded.pop(project, None)
+            log.info("%s: now serving version %d", label, policy.version)
+        elif kind == "candidate":
+            policy, share = self._resident(change[2], running), change[3]
+            self._routes[project] = _Route(route.promoted if route is not None else None, policy, share)
+            log.info("%s: canary version %d serves %.0f%% of requests", label, policy.version, 100 * share)
+        elif kind == "promote-candidate" and route is not None and route.candidate is not None:
+            self._routes[project] = _Route(route.candidate)
+            log.info("%s: canary promoted, now serving version %d", label, route.candidate.version)
+        elif kind == "drop-candidate" and route is not None:
+            if route.promoted is None:
+                del self._routes[project]
+            else:
+                self._routes[project] = _Route(route.promoted)
+            log.info("%s: canary dropped", label)
+        elif kind == "drop-project":
+            self._routes.pop(project, None)
+            self._unloaded.pop(project, None)
+            log.info("%s: served by the shared policy again", label)
+
+    def _base_policy(self) -> _Policy:
+        return _Policy(0, self._peft, BASE_ADAPTER) if self._peft is not None else _Policy(0, self._base_model)
+
+    def _resident(self, policy: _Policy, running: list[_Batch]) -> _Policy:
+        """``policy`` ready to decode: the base as the peft model sees it, a LoRA version's adapter loaded."""
+        if policy.version == 0:
+            return self._base_policy()
+        if policy.adapter is None:
+            return policy
+        if self._peft is None:
+            self._make_peft()
+        if policy.adapter not in self._peft.peft_config:
+            self._make_room(running)
+            self._peft.load_adapter(policy.source[0].removeprefix("file://"), adapter_name=policy.adapter)
+            self._peft.set_adapter(_ZERO_ADAPTER)  # a plain call stays the base
+        return _Policy(policy.version, self._peft, policy.adapter, policy.source)
+
+    def _make_peft(self) -> None:
+        """Wrap the base in a peft model whose active adapter is all zeros: rows running on the plain base
+        compute exactly what they did (the LoRA term is 0), and rows that name an adapter get it."""
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=1, lora_alpha=1, target_modules=self._lora_targets, lora_dropout=0.0,
+                            init_lora_weights=True)  # B = 0: the adapter adds nothing
+        self._peft = get_peft_model(self._base_model, config, adapter_name=_ZERO_ADAPTER).eval()
+        base = self._base_policy()
+        self._routes = {project: _Route(*(base if p is not None and p.version == 0 else p
+                                          for p in (r.promoted, r.candidate)), r.share)
+                        for project, r in self._routes.items()}
+
+    def _make_room(self, running: list[_Batch]) -> None:
+        """Below ``max_adapters`` loaded: drop unused adapters, then unload least-recently-used projects."""
+        self._collect_adapters(running)
+        while len(self.loaded_adapters()) >= self.max_adapters:
+            projects = [p for p, r in self._routes.items() if p and any(x.adapter for x in r.policies())]
+            if not projects:
+                log.warning("%d adapters loaded (TABLOOP_MAX_ADAPTERS) and none can be unloaded",
+                            len(self.loaded_adapters()))
+                return
+            oldest = min(projects, key=lambda p: self._last_used.get(p, 0.0))
+            self._unloaded[oldest] = self._routes.pop(oldest)
+            log.warning("project %s unloaded to make room (TABLOOP_MAX_ADAPTERS=%d): the shared policy serves "
+                        "it until its next request loads it again", oldest, self.max_adapters)
+            self._collect_adapters(running)
+            if len(self.loaded_adapters()) >= self.max_adapters and not any(
+                    p for p in self._routes if p and p != oldest):
+                return  # what is left is in use by running rows: it goes when they finish
+
+    def _collect_adapters(self, running: list[_Batch]) -> None:
+        """Unload adapters that no route serves and no running row uses."""
+        self._adapters_changed = False
+        if self._peft is None:
+            return
+        used = {p.adapter for r in self._routes.values() for p in r.policies()}
+        used |= {s.policy.adapter for b in running for s in b.slots if s.policy is not None}
+        for name in self.loaded_adapters():
+            if name not in used:
+                self._peft.delete_adapter(name)
+                log.info("adapter %s unloaded", name)
+
+    def _policy_for(self, request: GenerationRequest, now: float) -> _Policy:
+        route = self._routes.get(request.project_id)
+        if route is None:
+            route = self._routes[""]
+        elif request.project_id:
+            self._last_used[request.project_id] = now
+        if route.candidate is not None and self._route.random() < route.share:
+            return route.candidate
+        return route.promoted if route.promoted is not None else self._routes[""].promoted
 
     @torch.inference_mode()
     def _admit(self, slots: list[_Slot], running: list[_Batch]) -> None:
         """Prefill newly arrived requests and add them to the running batch of their model (continuous
-        batching: they get their first token at this step, not after the batch before them has finished)."""
-        for model, version, group in self._split(slots):
+        batching: they get their first token at this step, not after the batch before them has finished).
+        Rows of different LoRA versions share the peft model, so they decode in one batch."""
+        now = time.monotonic()
+        groups: dict[int, list[_Slot]] = {}
+        for slot in slots:
+            slot.policy = self._policy_for(slot.request, now)
+            groups.setdefault(id(slot.policy.model), []).append(slot)
+        for group in groups.values():
             try:
-                batch = _Batch.start(model, version, group, self.pad_id)
+                batch = _Batch.start(group[0].policy.model, group, self.pad_id)
             except Exception as exc:
                 log.exception("prefill failed")
                 for slot in group:
                     slot.emit(RuntimeError(f"generation failed: {exc}"))
                 continue
-            joined = next((b for b in running if b.version == version and b.decoder.can_merge(batch.decoder)), None)
+            joined = next((b for b in running if b.decoder.can_merge(batch.decoder)), None)
             if joined is None:
                 running.append(batch)
             else:
@@ -343,7 +520,7 @@ class TransformersEngine(Engine):
                 finish = "stop"
             elif len(slot.generated) >= req.max_new_tokens:
                 finish = "length"
-            slot.emit(TokenStep(token, logprob, self._new_text(slot, finish), batch.version, finish))
+            slot.emit(TokenStep(token, logprob, self._new_text(slot, finish), slot.policy.version, finish))
             if finish:
                 slot.finish()
                 next_ids.append(self.pad_id)

@@ -51,7 +51,8 @@ class VLLMEngine(Engine):
         self.urls = urls
         self.model_name = resolve_model_spec(settings)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_name)
-        self._served_name = self.model_name  # the base model; a LoRA adapter's name once one is loaded
+        # project ("" = shared) -> (the model name requests ask for: the base model or a LoRA adapter's, version)
+        self._served: dict[str, tuple[str, int]] = {"": (self.model_name, 0)}
         self._down_until = {u: 0.0 for u in urls}
         self._order = itertools.cycle(urls)
         headers = {"Authorization": f"Bearer {settings.vllm_api_key}"} if settings.vllm_api_key else {}
@@ -74,12 +75,12 @@ class VLLMEngine(Engine):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
         # Text, not ids: any OpenAI-compatible server takes it (ours and vLLM tokenize the same way).
         prompt = request.prompt_text if request.prompt_text is not None else request.prompt_ids
-        body = {"model": self._served_name, "prompt": prompt, "max_tokens": request.max_new_tokens,
+        served_name, version = self._served.get(request.project_id) or self._served[""]
+        body = {"model": served_name, "prompt": prompt, "max_tokens": request.max_new_tokens,
                 "temperature": request.temperature, "top_p": request.top_p, "stream": True, "logprobs": 0,
                 "return_token_ids": True, "skip_special_tokens": False}
         if request.seed is not None:
             body["seed"] = request.seed
-        version = self.policy_version
         last_error: Exception | None = None
         for url in self._healthy_urls():
             emitted = False
@@ -109,9 +110,11 @@ class VLLMEngine(Engine):
                     raise RuntimeError(f"replica {url} failed mid-completion: {exc}") from exc
         raise RuntimeError(f"no vLLM replica answered: {last_error}")
 
-    async def load_version(self, version: int, uri: str, kind: str) -> None:
+    async def load_version(self, version: int, uri: str, kind: str, *, project: str = "") -> None:
+        """Serve ``version`` to the project's requests (""; every project without its own): the replicas load
+        a LoRA version by adapter name, once, and each request names the adapter of its project."""
         if version == 0:
-            self._served_name, self.policy_version = self.model_name, 0
+            self._set_served(project, self.model_name, 0)
             return
         if kind != "LORA":
             raise ValueError("the vllm engine hot-loads LoRA adapters; full weights need the replicas restarted "
@@ -122,7 +125,17 @@ class VLLMEngine(Engine):
                                          json={"lora_name": name, "lora_path": uri.removeprefix("file://")})
             if resp.status_code >= 400 and "already" not in resp.text:
                 raise RuntimeError(f"{url} could not load adapter {name}: {resp.status_code} {resp.text[:300]}")
-        self._served_name, self.policy_version = name, version
+        self._set_served(project, name, version)
+
+    async def drop_project(self, project: str) -> None:
+        if not project:
+            raise ValueError("the shared policy cannot be dropped (roll it back to a version instead)")
+        self._served.pop(project, None)
+
+    def _set_served(self, project: str, name: str, version: int) -> None:
+        self._served[project] = (name, version)
+        if not project:
+            self.policy_version = version
 
 
 def _steps(chunk: dict, version: int, *, greedy: bool = False) -> list[TokenStep]:

@@ -1,0 +1,158 @@
+"""A policy per project: the engine serves each project its own LoRA version, batched with the others."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from serving.engines.base import GenerationRequest
+from trainer.models import CachedDecoder, load_model
+
+PROMPT = "def mean(values):\n"
+
+
+def make_adapter(base_dir: str, out_dir, seed: int) -> str:
+    """A LoRA adapter with random (non-zero) weights: a version that decodes differently from the base."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.models import lora_target_modules
+
+    torch.manual_seed(seed)
+    model, _ = load_model(base_dir)
+    config = LoraConfig(r=4, lora_alpha=32, target_modules=lora_target_modules(model), init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(out_dir)
+    return f"file://{out_dir}"
+
+
+@pytest.fixture(scope="module")
+def versions(tiny_llama, tmp_path_factory) -> dict[int, str]:
+    root = tmp_path_factory.mktemp("project-versions")
+    return {v: make_adapter(tiny_llama, root / f"v{v}", seed=v) for v in (1, 2, 3)}
+
+
+def served(engine, project: str, *, seed: int = 7, tokens: int = 8) -> tuple[list[int], list[float], set[int]]:
+    async def run():
+        ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+        request = GenerationRequest(ids, tokens, 1.0, 1.0, seed=seed, project_id=project)
+        return [s async for s in engine.stream(request)]
+
+    steps = asyncio.run(run())
+    return [s.token_id for s in steps], [s.logprob for s in steps], {s.policy_version for s in steps}
+
+
+def test_rows_of_different_adapters_merge_and_keep_their_own_logits(tiny_llama, versions):
+    from peft import PeftModel
+
+    model, tokenizer = load_model(tiny_llama)
+    peft = PeftModel.from_pretrained(model, versions[1].removeprefix("file://"), adapter_name="v1")
+    peft.load_adapter(versions[2].removeprefix("file://"), adapter_name="v2")
+    peft.eval()
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in (PROMPT, "import os\nimport sys\n")]
+    with torch.inference_mode():
+        alone = {}
+        for name, prompt in (("v1", prompts[0]), ("v2", prompts[1]), ("__base__", prompts[1])):
+            d = CachedDecoder.for_prompts(peft, [prompt], pad_id=0, adapters=[name])
+            d.step(torch.tensor([5]))
+            alone[name] = d.logits[0]
+        mixed = CachedDecoder.for_prompts(peft, [prompts[0]], pad_id=0, adapters=["v1"])
+        other = CachedDecoder.for_prompts(peft, [prompts[1], prompts[1]], pad_id=0, adapters=["v2", "__base__"])
+        assert mixed.can_merge(other)
+        assert not mixed.can_merge(CachedDecoder.for_prompts(model, [prompts[0]], pad_id=0))  # plain rows
+        mixed.merge(other)
+        mixed.step(torch.tensor([5, 5, 5]))
+    assert mixed.adapters == ["v1", "v2", "__base__"]
+    for row, name in enumerate(["v1", "v2", "__base__"]):
+        torch.testing.assert_close(mixed.logits[row], alone[name], atol=1e-4, rtol=1e-4)
+    assert (alone["v2"] - alone["__base__"]).abs().max() > 1e-3  # the adapter does change the logits
+
+
+def test_each_project_gets_its_version_and_the_others_the_shared_one(tiny_llama, versions):
+    from serving.engines.transformers_engine import TransformersEngine
+
+    reference = TransformersEngine(tiny_llama)
+    expected = {0: served(reference, "")[:2]}
+    for v in (1, 2):
+        asyncio.run(reference.load_version(v, versions[v], "LORA"))
+        expected[v] = served(reference, "")[:2]
+    assert expected[1] != expected[0] and expected[2] != expected[1]
+
+    engine = TransformersEngine(tiny_llama)
+    asyncio.run(engine.load_version(1, versions[1], "LORA", project="alpha"))
+    asyncio.run(engine.load_version(2, versions[2], "LORA", project="beta"))
+    assert engine.served_versions() == {"": (0, None), "alpha": (1, None), "beta": (2, None)}
+    assert engine.loaded_adapters() == ["v1", "v2"]
+
+    async def together():  # three projects in flight at once: one batch, three adapters
+        ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+
+        async def one(project):
+            return [s async for s in engine.stream(GenerationRequest(ids, 8, 1.0, 1.0, seed=7, project_id=project))]
+        return await asyncio.gather(one("alpha"), one("beta"), one("gamma"))
+
+    for project, steps, version in zip(("alpha", "beta", "gamma"), asyncio.run(together()), (1, 2, 0)):
+        assert {s.policy_version for s in steps} == {version}, project
+        assert [s.token_id for s in steps] == expected[version][0], project
+        assert [s.logprob for s in steps] == pytest.approx(expected[version][1], abs=1e-4), project
+
+    # The shared policy moves on; projects with their own version keep it.
+    asyncio.run(engine.load_version(3, versions[3], "LORA"))
+    assert engine.served_versions() == {"": (3, None), "alpha": (1, None), "beta": (2, None)}
+    assert served(engine, "gamma")[2] == {3}
+    assert served(engine, "alpha")[2] == {1}
+
+
+def test_a_projects_canary_promotion_and_drop(tiny_llama, versions):
+    from serving.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(tiny_llama)
+    asyncio.run(engine.load_version(1, versions[1], "LORA", project="alpha"))
+    asyncio.run(engine.load_candidate(2, versions[2], "LORA", 0.5, project="alpha"))
+    assert engine.candidate_version is None  # the shared policy has no canary
+    seen = set().union(*(served(engine, "alpha", seed=i, tokens=2)[2] for i in range(30)))
+    assert seen == {1, 2}
+    assert set().union(*(served(engine, "gamma", seed=i, tokens=2)[2] for i in range(10))) == {0}
+
+    asyncio.run(engine.promote_candidate(project="alpha"))
+    assert engine.served_versions()["alpha"] == (2, None)
+    assert set().union(*(served(engine, "alpha", seed=i, tokens=2)[2] for i in range(10))) == {2}
+    assert engine.loaded_adapters() == ["v2"]  # v1 is no longer served: unloaded
+
+    asyncio.run(engine.drop_project("alpha"))
+    assert served(engine, "alpha")[2] == {0}
+    assert engine.loaded_adapters() == []
+    with pytest.raises(ValueError, match="shared policy cannot be dropped"):
+        asyncio.run(engine.drop_project(""))
+
+    # A canary for a project with no version of its own: its other requests take the shared policy.
+    asyncio.run(engine.load_candidate(3, versions[3], "LORA", 0.5, project="beta"))
+    assert set().union(*(served(engine, "beta", seed=i, tokens=2)[2] for i in range(30))) == {0, 3}
+    asyncio.run(engine.drop_candidate(project="beta"))
+    assert "beta" not in engine.served_versions()
+
+
+def test_past_max_adapters_the_least_recently_used_project_is_unloaded_and_comes_back(tiny_llama, versions):
+    from serving.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(tiny_llama, max_adapters=2)
+    asyncio.run(engine.load_version(1, versions[1], "LORA", project="alpha"))
+    asyncio.run(engine.load_version(2, versions[2], "LORA", project="beta"))
+    served(engine, "beta", tokens=1)
+    served(engine, "alpha", tokens=1)  # beta is now the least recently used
+    asyncio.run(engine.load_version(3, versions[3], "LORA", project="gamma"))
+    assert engine.loaded_adapters() == ["v1", "v3"]
+    assert set(engine.served_versions()) == {"", "alpha", "gamma"}
+
+    # beta's next request loads beta's version again in the background; until it is in, the shared policy
+    # serves beta (that request may already see it: a reload staged in its batch window is applied first).
+    assert served(engine, "beta")[2] <= {0, 2}
+    deadline = time.monotonic() + 30
+    while engine.served_versions().get("beta") != (2, None):
+        assert time.monotonic() < deadline, engine.served_versions()
+        time.sleep(0.05)
+    assert served(engine, "beta")[2] == {2}
+    # Room for it was made by unloading gamma, never requested since it was loaded.
+    assert engine.loaded_adapters() == ["v1", "v2"]
+    assert set(engine.served_versions()) == {"", "alpha", "beta"}
