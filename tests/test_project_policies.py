@@ -156,3 +156,85 @@ def test_past_max_adapters_the_least_recently_used_project_is_unloaded_and_comes
     # Room for it was made by unloading gamma, never requested since it was loaded.
     assert engine.loaded_adapters() == ["v1", "v2"]
     assert set(engine.served_versions()) == {"", "alpha", "beta"}
+
+
+@pytest.mark.kafka
+def test_front_door_routes_projects_and_the_weights_commands_act_per_project(kafka, tiny_llama, versions, tmp_path):
+    """Real broker, real front door: `tabloop weights promote/rollback` of a project's versions change what
+    that project is served, and nobody else's."""
+    import shutil
+    from pathlib import Path
+
+    import httpx
+    from click.testing import CliRunner
+
+    from infra.bus import ensure_topics
+    from infra.settings import to_environ
+    from schemas.topics import COMPLETIONS
+    from serving.auth import KeyStore
+    from tabloop.cli import main
+    from tests.conftest import make_settings
+    from tests.serving_helpers import ThreadServer, find_events
+    from tests.system_helpers import wait
+    from trainer.weight_store import WeightStore
+
+    base = str(tmp_path / "base")
+    shutil.copytree(tiny_llama, base)  # a base model of its own: the weights topic outlives this test
+    settings = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=base,
+                             completions_port=0, feedback_port=0)
+    ensure_topics(settings)
+    store = WeightStore(settings.effective_weight_store, base)
+    for version, project in ((1, ""), (2, "alpha"), (3, "alpha")):
+        store.save(version, Path(versions[version].removeprefix("file://")),
+                   dict(parent_version=0, kind="LORA", trainer_step=version, episodes_consumed=0, episodes_trained=0,
+                        episodes_dropped={}, source_topic="t", source_offsets_start={}, source_offsets={},
+                        project_id=project))
+    keys = {p: KeyStore(settings.keys_file).add(p, "dev") for p in ("alpha", "beta")}
+    env = dict(to_environ(settings))
+
+    def cli(*args):
+        return CliRunner().invoke(main, ["weights", *args], env=env, catch_exceptions=False)
+
+    server = ThreadServer(settings)
+    try:
+        def version_for(project: str) -> int:
+            r = httpx.post(f"{server.completions_url}/v1/completions", timeout=30,
+                           headers={"Authorization": f"Bearer {keys[project]}"},
+                           json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0.7})
+            assert r.status_code == 200, r.text
+            return int(r.headers["x-tabloop-policy-version"])
+
+        def until(expected: dict[str, int]) -> None:
+            wait(lambda: {p: version_for(p) for p in expected} == expected, 60, f"versions {expected}",
+                 explain=lambda: str({p: version_for(p) for p in expected}))
+
+        assert cli("promote", "1").output.strip().endswith("promoted for the shared policy")
+        out = cli("promote", "2")
+        assert out.exit_code == 0 and "promoted for project alpha" in out.output
+        until({"alpha": 2, "beta": 1})
+        assert cli("promote", "3").exit_code == 0
+        until({"alpha": 3, "beta": 1})
+        table = cli("list").output.splitlines()
+        starred = {line.split()[1] for line in table if line.startswith("*")}
+        assert starred == {"1", "3"}, table  # the shared policy's and alpha's own
+
+        out = cli("rollback", "--project", "alpha", "1")
+        assert out.exit_code == 1 and "version 1 is the shared policy's, not project alpha's" in out.output
+        out = cli("rollback", "--project", "alpha")
+        assert out.exit_code == 0 and "serving goes to version 2" in out.output
+        until({"alpha": 2, "beta": 1})
+        out = cli("rollback", "--project", "alpha")
+        assert out.exit_code == 0 and "serving goes to the shared policy" in out.output
+        until({"alpha": 1, "beta": 1})
+        out = cli("rollback", "--project", "alpha")
+        assert out.exit_code == 1 and "nothing to roll back" in out.output
+        # The shared policy's rollback is still its own: alpha, with no version of its own, follows it.
+        assert cli("rollback").exit_code == 0
+        until({"alpha": 0, "beta": 0})
+        completion_id = httpx.post(f"{server.completions_url}/v1/completions", timeout=30,
+                                   headers={"Authorization": f"Bearer {keys['alpha']}"},
+                                   json={"prompt": PROMPT, "max_tokens": 2}).headers["x-tabloop-completion-id"]
+    finally:
+        server.stop()
+    event = find_events(settings, COMPLETIONS.name, lambda e: e.record["completion_id"] == completion_id)[0]
+    assert event.record["project_id"] == "alpha" and event.record["policy_version"] == 0

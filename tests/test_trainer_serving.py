@@ -116,7 +116,7 @@ def test_weights_commands(kafka, tiny_model, tmp_path):
     assert [(r["version"], r["status"], r["serving"]) for r in rows] == [(0, "BASE", False), (1, "PROMOTED", False),
                                                                         (2, "PROMOTED", True)]
     out = run("weights", "rollback")
-    assert out.exit_code == 0 and "version 2 rolled back; serving goes to version 1" in out.output
+    assert out.exit_code == 0 and "version 2 of the shared policy rolled back; serving goes to version 1" in out.output
     assert promoted_version(read_weight_records(settings), base) == 1
     out = run("weights", "rollback", "0")
     assert out.exit_code == 0 and "serving goes to version 0" in out.output

@@ -87,37 +87,47 @@ def _publish(settings, *events) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per version.")
 @click.pass_context
 def weights_list(ctx: click.Context, as_json: bool) -> None:
-    """Every version in the weight store with its status on tabloop.weights; * marks the one serving follows."""
+    """Every version in the weight store with its status on tabloop.weights; * marks the ones serving follows
+    (the shared policy's, and each project's own)."""
     from trainer.weight_store import fold_statuses, promoted_version
 
     settings = _settings(ctx)
     base, store, records = _store_and_records(settings)
     statuses = fold_statuses(records, base)
-    serving = promoted_version(records, base)
-    rows = [{"version": 0, "status": "PROMOTED" if serving == 0 else "BASE", "kind": "-", "parent": None,
-             "episodes": 0, "created": "-", "uri": base, "serving": serving == 0}]
-    for m in store.manifests():
+    manifests = store.manifests()
+    serving = {p: promoted_version(records, base, p) for p in {"", *(m.project_id for m in manifests)}}
+    rows = [{"version": 0, "project": "", "status": "PROMOTED" if serving[""] == 0 else "BASE", "kind": "-",
+             "parent": None, "episodes": 0, "created": "-", "uri": base, "serving": serving[""] == 0}]
+    for m in manifests:
         s = statuses.get(m.version)
-        rows.append({"version": m.version, "status": s.status if s else "UNPUBLISHED", "kind": m.kind,
-                     "parent": m.parent_version, "episodes": m.episodes_consumed,
+        rows.append({"version": m.version, "project": m.project_id, "status": s.status if s else "UNPUBLISHED",
+                     "kind": m.kind, "parent": m.parent_version, "episodes": m.episodes_consumed,
                      "created": datetime.fromtimestamp(m.created_at_ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-                     "uri": m.uri, "serving": m.version == serving,
+                     "uri": m.uri, "serving": m.version == serving[m.project_id],
                      "reward_mean": round(m.metrics.get("reward_mean", float("nan")), 4)})
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
         return
-    click.echo(f"{'':1} {'version':>7} {'status':<12} {'kind':<5} {'parent':>6} {'episodes':>8}  {'created':<19}  uri")
+    width = max([7] + [len(r["project"]) for r in rows])
+    click.echo(f"{'':1} {'version':>7} {'project':<{width}} {'status':<12} {'kind':<5} {'parent':>6} {'episodes':>8}  "
+               f"{'created':<19}  uri")
     for r in rows:
-        click.echo(f"{'*' if r['serving'] else ' '} {r['version']:>7} {r['status']:<12} {r['kind']:<5} "
-                   f"{'' if r['parent'] is None else r['parent']:>6} {r['episodes']:>8}  {r['created']:<19}  {r['uri']}")
+        click.echo(f"{'*' if r['serving'] else ' '} {r['version']:>7} {r['project'] or '(shared)':<{width}} "
+                   f"{r['status']:<12} {r['kind']:<5} {'' if r['parent'] is None else r['parent']:>6} "
+                   f"{r['episodes']:>8}  {r['created']:<19}  {r['uri']}")
+
+
+def _whose(project: str) -> str:
+    return f"project {project}" if project else "the shared policy"
 
 
 @weights.command("promote")
 @click.argument("version", type=click.IntRange(min=0))
 @click.pass_context
 def weights_promote(ctx: click.Context, version: int) -> None:
-    """Promote VERSION: every serving replica loads it (0 = the base model)."""
+    """Promote VERSION: every serving replica loads it (0 = the base model) for the project it was trained for
+    (the shared policy's versions: for every project without a version of its own)."""
     from trainer.weight_store import WeightStoreError, base_version_event, version_event
 
     settings = _settings(ctx)
@@ -127,19 +137,19 @@ def weights_promote(ctx: click.Context, version: int) -> None:
     except WeightStoreError as exc:
         raise _error(str(exc)) from None
     _publish(settings, event)
-    click.echo(f"version {version} of {base} promoted")
+    click.echo(f"version {version} of {base} promoted for {_whose(event.record['project_id'])}")
 
 
-def rollback_target(records: list[dict], base_model: str, current: int) -> int:
+def rollback_target(records: list[dict], base_model: str, current: int, project: str = "") -> int:
     """Pure: the version a rollback of ``current`` returns to.
 
-    The most recent version promoted before ``current`` that has not been
-    rolled back since; 0 (the base model) if there is none.
+    The most recent version of the same project ("" the shared policy) promoted before ``current`` that has
+    not been rolled back since; 0 if there is none (the base model, or for a project the shared policy).
     """
     rolled_back: set[int] = set()
     history: list[int] = []
     for r in records:
-        if r["base_model"] != base_model:
+        if r["base_model"] != base_model or (r.get("project_id") or "") != project:
             continue
         if r["status"] == "PROMOTED":
             history.append(r["version"])
@@ -154,26 +164,36 @@ def rollback_target(records: list[dict], base_model: str, current: int) -> int:
 
 @weights.command("rollback")
 @click.argument("version", type=click.IntRange(min=0), required=False)
+@click.option("--project", default="", help="Roll back this project's own version (default: the shared policy's); "
+              "with nothing of its own before it, the project goes back to the shared policy.")
 @click.pass_context
-def weights_rollback(ctx: click.Context, version: int | None) -> None:
+def weights_rollback(ctx: click.Context, version: int | None, project: str) -> None:
     """Roll back the promoted version; serving goes to VERSION (default: the one promoted before it, else 0)."""
     from trainer.weight_store import WeightStoreError, base_version_event, promoted_version, version_event
 
     settings = _settings(ctx)
     base, store, records = _store_and_records(settings)
-    current = promoted_version(records, base)
+    current = promoted_version(records, base, project)
     if current == 0:
-        raise _error(f"nothing to roll back: {base} is serving the base model (version 0)")
-    target = rollback_target(records, base, current) if version is None else version
+        serving = "the base model (version 0)" if not project else "the shared policy (no version of its own)"
+        raise _error(f"nothing to roll back: {_whose(project)} of {base} is serving {serving}")
+    target = rollback_target(records, base, current, project) if version is None else version
     if target == current:
         raise _error(f"version {current} is the one being rolled back; name another version to go back to")
     try:
-        events = [version_event(store.manifest(current), "ROLLED_BACK"),
-                  base_version_event(base) if target == 0 else version_event(store.manifest(target), "PROMOTED")]
+        events = [version_event(store.manifest(current), "ROLLED_BACK")]
+        if target:
+            manifest = store.manifest(target)
+            if manifest.project_id != project:
+                raise _error(f"version {target} is {_whose(manifest.project_id)}'s, not {_whose(project)}'s")
+            events.append(version_event(manifest, "PROMOTED"))
+        elif not project:
+            events.append(base_version_event(base))
     except WeightStoreError as exc:
         raise _error(str(exc)) from None
     _publish(settings, *events)
-    click.echo(f"version {current} rolled back; serving goes to version {target}")
+    goes_to = f"version {target}" if target or not project else "the shared policy"
+    click.echo(f"version {current} of {_whose(project)} rolled back; serving goes to {goes_to}")
 
 
 SINCE_UNITS = {"m": 60, "h": 3600, "d": 86400}

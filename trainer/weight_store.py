@@ -60,6 +60,8 @@ class Manifest:
     episodes_consumed_total: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    project_id: str = ""
+    """The project whose policy this version is (its own LoRA adapter); "" the shared policy."""
     training: dict = field(default_factory=dict)
     """How the version was trained when not from the episode topic: {"mode": "offline", "algo", "group_size",
     "scorer", "dataset", …} (trainer/proof/offline.py); empty for online versions."""
@@ -269,14 +271,15 @@ def fold_statuses(records: Iterable[dict], base_model: str) -> dict[int, Version
     return out
 
 
-def promoted_version(records: Iterable[dict], base_model: str) -> int:
+def promoted_version(records: Iterable[dict], base_model: str, project: str = "") -> int:
     """The version serving follows: the last PROMOTED one, unless it was rolled back afterwards (then 0).
 
-    The same rule as ``serving.weights.target_version``, over the whole topic.
+    The same rule as ``serving.weights.target_version``, over the whole topic. ``project``: that project's
+    own versions only, where 0 means it has none (the shared policy serves it); "" the shared policy.
     """
     current = 0
     for r in records:
-        if r["base_model"] != base_model:
+        if r["base_model"] != base_model or (r.get("project_id") or "") != project:
             continue
         if r["status"] == "PROMOTED":
             current = r["version"]
@@ -289,7 +292,8 @@ def version_event(manifest: Manifest, status: str, extra_metrics: dict[str, floa
     """The WeightVersion event announcing ``manifest``'s version with ``status``."""
     from schemas.events import new_event
 
-    return new_event("WeightVersion", version=manifest.version, parent_version=manifest.parent_version,
+    return new_event("WeightVersion", project_id=manifest.project_id, version=manifest.version,
+                     parent_version=manifest.parent_version,
                      base_model=manifest.base_model, kind=manifest.kind, uri=manifest.uri, sha256=manifest.sha256,
                      size_bytes=manifest.size_bytes, trainer_step=manifest.trainer_step,
                      episodes_consumed=manifest.episodes_consumed,
