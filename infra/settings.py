@@ -140,6 +140,11 @@ class Settings(BaseModel):
     trainer_save_every: int = Field(10, ge=1, description="updates per weight version")
     trainer_lora_rank: int = Field(16, ge=1, le=1024, description="LoRA rank (alpha = 2 x rank)")
     trainer_full_finetune: bool = Field(False, description="train every weight instead of LoRA adapters")
+    project_policies: str = Field("", description="projects that get a policy of their own (a LoRA adapter trained "
+                                  "on their episodes, starting from the shared policy): comma-separated project ids, "
+                                  "or * for every project; empty = one shared policy")
+    project_min_episodes: int = Field(200, ge=1, description="a project's trainable episodes before its own adapter "
+                                      "is trained; until then (and after) they train the shared policy")
     trainer_seed: int = Field(0, description="seed of the trainer's random state")
     auto_promote: bool = Field(True, description="new versions are PROMOTED at once (unless in canary mode)")
     canary_share: float = Field(0.0, ge=0, lt=1, description="share of requests a new version serves first; 0 = no canary")
@@ -158,6 +163,19 @@ class Settings(BaseModel):
     promote_gate_level: float = Field(0.9, gt=0, lt=1, description="(ope gate) two-sided level of the estimate's "
                                       "interval whose lower bound must beat the serving version")
     promote_gate_clip: float = Field(10.0, gt=1, description="(ope gate) importance weights are clipped at this")
+
+    @field_validator("project_policies")
+    @classmethod
+    def _project_list(cls, value: str) -> str:
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        if "*" in names and len(names) > 1:
+            raise ValueError("TABLOOP_PROJECT_POLICIES is either * or a list of project ids, not both")
+        return ",".join(names)
+
+    def has_project_policy(self, project: str) -> bool:
+        """Whether ``project`` opted in to a policy of its own (TABLOOP_PROJECT_POLICIES)."""
+        names = self.project_policies.split(",") if self.project_policies else []
+        return bool(project) and ("*" in names or project in names)
 
     @field_validator("kafka_bootstrap")
     @classmethod

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from serving.engines.base import GenerationRequest
+from tests.test_trainer_online import setup  # noqa: F401  (a fixture)
 from trainer.models import CachedDecoder, load_model
 
 PROMPT = "def mean(values):\n"
@@ -238,3 +239,82 @@ def test_front_door_routes_projects_and_the_weights_commands_act_per_project(kaf
         server.stop()
     event = find_events(settings, COMPLETIONS.name, lambda e: e.record["completion_id"] == completion_id)[0]
     assert event.record["project_id"] == "alpha" and event.record["policy_version"] == 0
+
+
+@pytest.mark.kafka
+def test_the_trainer_trains_an_opted_in_projects_own_adapter_and_resumes_it(setup):
+    """Real broker: alpha (opted in, 4 episodes needed) gets a version of its own, beta only trains the shared
+    policy; the shared manifest names alpha's version; a restart goes on from it; staleness counts the shared
+    policy's versions; a project version from an unfinished save point is never announced."""
+    from safetensors.torch import load_file
+
+    from schemas.topics import WEIGHTS
+    from tests.serving_helpers import find_events
+    from tests.test_trainer_online import assert_exactly_once, end_offsets, episode, produce
+    from trainer.online import OnlineTrainer
+    from trainer.weight_store import WeightStore
+
+    settings, topic, tok, base = setup
+    settings = settings.model_copy(update={"project_policies": "alpha", "project_min_episodes": 4})
+    store = WeightStore(settings.effective_weight_store, base)
+
+    def train(**run) -> OnlineTrainer:
+        trainer = OnlineTrainer(settings, topic=topic)
+        try:
+            trainer.run(**run)
+        finally:
+            trainer.close()
+        return trainer
+
+    produce(settings, topic, [episode(tok, i, p) for i, p in enumerate(["alpha", "beta", "alpha", "beta"])])
+    assert not train(max_versions=1).projects  # alpha has 2 of its 4 episodes: the shared policy only
+    produce(settings, topic, [episode(tok, 10 + i, "alpha", policy_version=1, accepted=i % 2 == 0) for i in range(4)])
+    trainer = train(max_versions=1)
+    assert {p: own.version for p, own in trainer.projects.items()} == {"alpha": 2}
+    alpha, shared = store.manifest(2), store.manifest(3)
+    assert (alpha.project_id, alpha.parent_version, alpha.episodes_trained, alpha.kind) == ("alpha", 1, 4, "LORA")
+    assert shared.project_id == "" and shared.parent_version == 1 and shared.episodes_trained == 4
+    assert shared.metrics["project_version/alpha"] == 2 and shared.metrics["project_episodes/alpha"] == 6
+    assert not any("beta" in key for key in shared.metrics if key.startswith("project_"))
+    v1 = load_file(f"{store.version_dir(1)}/adapter_model.safetensors")
+    v2 = load_file(f"{store.version_dir(2)}/adapter_model.safetensors")
+    assert v1.keys() == v2.keys() and any(not torch.equal(v1[k], v2[k]) for k in v1)  # it started from 1, trained
+
+    # Restart: alpha goes on from its version 2. Staleness counts the shared policy's versions only (alpha's 2
+    # does not): at version 3, beta's episodes of version 1 are one version old, alpha's of version 0 two (stale
+    # at max_staleness 1). One update after all six are read (the batch waits 3 s), so all are judged at 3.
+    settings = settings.model_copy(update={"trainer_batch_size": 100, "trainer_batch_wait_s": 3})
+    produce(settings, topic, [episode(tok, 20 + i, "alpha", policy_version=2) for i in range(2)]
+            + [episode(tok, 30 + i, "alpha", policy_version=0) for i in range(2)]
+            + [episode(tok, 40 + i, "beta", policy_version=1) for i in range(2)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        assert trainer.version == 3 and trainer.projects["alpha"].version == 2
+        trainer.run(max_versions=1)
+    finally:
+        trainer.close()
+    manifests = store.manifests()
+    assert [(m.version, m.project_id) for m in manifests] == [(1, ""), (2, "alpha"), (3, ""), (4, "alpha"), (5, "")]
+    own, shared = store.manifest(4), store.manifest(5)
+    assert own.parent_version == 2 and own.episodes_trained == 2
+    assert shared.episodes_trained == 4 and shared.episodes_dropped == {"stale": 2}
+    assert shared.metrics["project_version/alpha"] == 4
+    assert_exactly_once([m for m in manifests if not m.project_id], end_offsets(settings, topic))
+
+    events = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base,
+                                            want=len(manifests))]
+    assert [(r["version"], r["project_id"], r["status"]) for r in events] == [
+        (m.version, m.project_id, "PROMOTED") for m in manifests]
+
+    # A project version written after the newest shared manifest (a crash between the two): never announced,
+    # and a restart goes on from the version the shared manifest names.
+    from pathlib import Path
+
+    orphan = store.save(store.next_version(), Path(store.version_dir(4)), dict(
+        parent_version=4, kind="LORA", trainer_step=99, episodes_consumed=0, episodes_trained=0,
+        episodes_dropped={}, source_topic=topic, source_offsets_start={}, source_offsets={}, project_id="alpha"))
+    trainer = train(idle_exit_s=2)
+    assert trainer.projects["alpha"].version == 4
+    later = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base,
+                                           want=len(manifests))]
+    assert orphan.version not in {r["version"] for r in later}

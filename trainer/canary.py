@@ -41,10 +41,15 @@ class CanaryTally:
     since_ms: int
     accepted: dict[int, int] = field(default_factory=dict)
     total: dict[int, int] = field(default_factory=dict)
+    project: str = ""
+    """A project's canary counts that project's episodes only (its baseline may be the shared version, which
+    other projects are served too); "" the shared policy's canary."""
 
-    def add(self, policy_version: int | None, outcome: str, joined_at_ms: int) -> None:
+    def add(self, policy_version: int | None, outcome: str, joined_at_ms: int, project: str = "") -> None:
         """Count one episode if it is from either version, in the canary's period, and decided."""
         if policy_version not in (self.candidate, self.baseline) or joined_at_ms < self.since_ms:
+            return
+        if self.project and project != self.project:
             return
         if outcome not in DECIDED_OUTCOMES:
             return  # IGNORED: the user never saw it decided either way

@@ -16,8 +16,8 @@ def episode_sampler(episode: dict) -> tuple[float, float]:
     return (1.0 if temperature is None else float(temperature), 1.0 if top_p is None else float(top_p))
 
 
-def drop_reason(episode: dict, current_version: int, max_staleness: int, serving_version: int | None = None
-                ) -> str | None:
+def drop_reason(episode: dict, current_version: int, max_staleness: int, serving_version: int | None = None,
+                staleness_of=None) -> str | None:
     """Why an episode is consumed without training on it, or None to train on it.
 
     "stale": served by a version more than ``max_staleness`` versions older than the trainer's, unless it is
@@ -28,13 +28,17 @@ def drop_reason(episode: dict, current_version: int, max_staleness: int, serving
     "greedy": served at a temperature at or below GREEDY_TEMPERATURE, the argmax — a point mass, with no
     importance ratio to weigh it by (its probability under any other policy is 0 or 1). Counted in the
     manifest's dropped episodes, so a deployment serving greedily shows up as a trainer that trains on nothing.
+
+    ``staleness_of(version)``: how many versions old ``version`` is (default ``current_version - version``;
+    with a policy per project, the shared policy's versions since, as projects' versions share the numbers).
     """
     if not episode["completion_token_ids"] and not episode.get("completion_text"):
         return "empty"
     if episode["completion_token_ids"] and episode_sampler(episode)[0] <= GREEDY_TEMPERATURE:
         return "greedy"
     behaviour = episode["policy_version"]
-    if behaviour is not None and behaviour != serving_version and current_version - behaviour > max_staleness:
+    age = (lambda v: current_version - v) if staleness_of is None else staleness_of
+    if behaviour is not None and behaviour != serving_version and age(behaviour) > max_staleness:
         return "stale"
     return None
 

@@ -16,6 +16,16 @@ A restart loads the newest manifest's weights and seeks every partition to its
 (their effect was lost with the process), none twice into a saved version and
 none skipped. Run one trainer per base model: a second member of the group
 would take half the partitions.
+
+A policy per project (``TABLOOP_PROJECT_POLICIES``): every episode trains the
+shared policy; once an opted-in project has ``project_min_episodes`` trainable
+episodes, its episodes also train a LoRA adapter of its own, which starts from
+the shared policy's newest saved version. At each save, every project policy
+updated since its last save is written first (a version with the project's id),
+then the shared version, whose manifest lists each project's version: it is the
+save point's commit record. A restart loads the project versions the newest
+shared manifest names; a project version written after it (a crash between the
+two) is never announced, and its episodes are trained again.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import json
 import logging
 import threading
 import time
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +69,23 @@ class Pending:
 
 
 @dataclass
+class ProjectPolicy:
+    """A project's own policy: a LoRA adapter trained on that project's episodes only."""
+
+    project: str
+    policy: PolicyTrainer
+    version: int
+    """Its newest saved version; 0 before the first (it starts from the shared policy's weights)."""
+    updates: int = 0
+    trained: int = 0
+    update_metrics: list[dict] = field(default_factory=list)
+
+
+PROJECT_VERSION = "project_version/"  # shared manifest metrics: the project versions saved with it
+PROJECT_EPISODES = "project_episodes/"  # ... and each opted-in project's trainable episodes so far
+
+
+@dataclass
 class Progress:
     """What the next version's manifest will say about its episodes."""
 
@@ -84,6 +112,9 @@ class OnlineTrainer:
         from trainer.named_models import resolve_model_spec
 
         use_torch_threads(settings.torch_threads)
+        if settings.project_policies and settings.trainer_full_finetune:
+            raise ValueError("a project's own policy is a LoRA adapter: TABLOOP_PROJECT_POLICIES cannot be combined "
+                             "with TABLOOP_TRAINER_FULL_FINETUNE")
         self.settings = settings
         self.topic = topic
         self.group_id = group_id or settings.trainer_group
@@ -99,7 +130,7 @@ class OnlineTrainer:
         if logging.getLogger("tabloop").level == logging.NOTSET:
             logging.getLogger("tabloop").setLevel(logging.INFO)
 
-        latest = self.store.latest()
+        latest = self.store.latest(project="")
         self.policy = self._load_policy(latest)
         self.version = latest.version if latest else 0
         self.total_consumed = latest.episodes_consumed_total if latest else 0
@@ -108,6 +139,17 @@ class OnlineTrainer:
         self.progress = Progress(dict(offsets), dict(offsets))
         baseline = _baseline_from(latest) if latest is not None else BaselineState.empty()
         self.baseline = baseline
+        manifests = self.store.manifests()
+        self.shared_versions = sorted(m.version for m in manifests if not m.project_id)
+        saved = latest.metrics if latest is not None else {}
+        self.project_episodes = {k.removeprefix(PROJECT_EPISODES): int(v) for k, v in saved.items()
+                                 if k.startswith(PROJECT_EPISODES)}
+        self.projects: dict[str, ProjectPolicy] = {}
+        for key, version in saved.items():
+            if key.startswith(PROJECT_VERSION):
+                project = key.removeprefix(PROJECT_VERSION)
+                manifest = self.store.manifest(int(version)) if version else latest
+                self.projects[project] = ProjectPolicy(project, self._load_policy(manifest), int(version))
         self.pending = Pending()
         self._tail_committed: dict[str, int] = {}  # offsets committed past dropped episodes (no version)
         self.producer = EventProducer(settings, client_id="tabloop-trainer")
@@ -116,7 +158,11 @@ class OnlineTrainer:
         self._weight_event_ids: set = set()
         self.serving_version = 0
         """The version users are served (``promoted_version`` of the weight records), kept as they come."""
-        self.canary: CanaryTally | None = None
+        self.project_serving: dict[str, int] = {}
+        """project -> its own promoted version (absent or 0: the shared policy serves it)."""
+        self.version_project: dict[int, str] = {}
+        self.canaries: dict[str, CanaryTally] = {}
+        """project ("" the shared policy) -> its running canary."""
         # Episodes held out of training for the promotion gate (trainer/gate.py), newest last. Not kept across
         # restarts: after one, the gate waits for new held-out episodes before it lets a version out.
         self.gate_episodes: deque[dict] = deque(maxlen=settings.promote_gate_episodes)
@@ -145,6 +191,7 @@ class OnlineTrainer:
         ("rolled_back"), so the manifests still account for every episode.
         Episodes waiting for the next update are trained on the new weights.
         """
+        self._follow_project_rollbacks()
         if self.version == 0:
             return
         status = fold_statuses(self.weight_records, self.base_model).get(self.version)
@@ -164,6 +211,32 @@ class OnlineTrainer:
         p.update_metrics.clear()
         p.updates = 0
         self.version = manifest.version if manifest is not None else 0
+
+    def _follow_project_rollbacks(self) -> None:
+        """A project whose own version was rolled back goes on from its promoted version, or, with none, starts
+        again from the shared policy's serving version (its updates since the last save are discarded)."""
+        statuses = fold_statuses(self.weight_records, self.base_model)
+        for project, own in list(self.projects.items()):
+            status = statuses.get(own.version)
+            if own.version == 0 or status is None or status.status != "ROLLED_BACK":
+                continue
+            target = self.project_serving.get(project, 0) or self.serving_version
+            if target == own.version:
+                continue
+            manifest = self.store.manifest(target) if target in self.store.versions() else None
+            log.info("project %s: version %d was rolled back: its policy goes on from version %d", project,
+                     own.version, manifest.version if manifest is not None else 0)
+            self.projects[project] = ProjectPolicy(project, self._load_policy(manifest),
+                                                   target if self.project_serving.get(project) else 0)
+
+    def _serving_of(self, project: str) -> int:
+        """The version a project's users are served: its own promoted version, else the shared one."""
+        return self.project_serving.get(project) or self.serving_version
+
+    def _staleness(self, version: int) -> int:
+        """Versions of the shared policy saved after ``version`` up to the trainer's (project versions share
+        the numbering, so a plain difference would age episodes faster the more projects there are)."""
+        return bisect_right(self.shared_versions, self.version) - bisect_right(self.shared_versions, version)
 
     # -- kafka ---------------------------------------------------------------------
 
@@ -194,6 +267,7 @@ class OnlineTrainer:
     def run(self, *, max_versions: int | None = None, idle_exit_s: float | None = None) -> None:
         """Train until stopped (``stop()``, or ``max_versions`` new versions, or idle ``idle_exit_s`` — tests)."""
         self.weight_records, self._weight_event_ids, self.serving_version = [], set(), 0
+        self.project_serving, self.version_project = {}, {}
         for record in read_weight_records(self.settings):
             self._new_weight_record(record)
         self._publish_unannounced()
@@ -242,7 +316,13 @@ class OnlineTrainer:
             return False
         self._weight_event_ids.add(record["event_id"])
         self.weight_records.append(record)
-        self.serving_version = promoted_version(self.weight_records, self.base_model)
+        project = record.get("project_id") or ""
+        if record["base_model"] == self.base_model:
+            self.version_project[record["version"]] = project
+        if project:
+            self.project_serving[project] = promoted_version(self.weight_records, self.base_model, project)
+        else:
+            self.serving_version = promoted_version(self.weight_records, self.base_model)
         return True
 
     def stop(self) -> None:
@@ -280,16 +360,17 @@ class OnlineTrainer:
                       received.error)
             return
         ep = received.event.record
-        joined = ep["joined_at"]
-        if self.canary is not None:
-            self.canary.add(ep["policy_version"], ep["outcome"], int(joined.timestamp() * 1000))
+        joined, project = ep["joined_at"], ep["project_id"]
+        for tally in self.canaries.values():
+            tally.add(ep["policy_version"], ep["outcome"], int(joined.timestamp() * 1000), project)
         if self.settings.promote_gate != "none" and in_gate_holdout(ep["completion_id"],
                                                                    self.settings.promote_gate_share):
             self.gate_episodes.append(ep)
             p.dropped["gate_holdout"] = p.dropped.get("gate_holdout", 0) + 1
             return
         reason = drop_reason(ep, self.version, self.settings.trainer_max_staleness,
-                             serving_version=self.serving_version)
+                             serving_version=self._serving_of(project),
+                             staleness_of=self._staleness if self.settings.project_policies else None)
         if reason is not None:
             p.dropped[reason] = p.dropped.get(reason, 0) + 1
             return
@@ -307,7 +388,9 @@ class OnlineTrainer:
         q.rewards.append(float(ep["reward"]))
         q.accepted += ep["outcome"] == "ACCEPTED"
         q.staleness.append(self.version - ep["policy_version"] if ep["policy_version"] is not None else 0)
-        q.projects.append(ep["project_id"])
+        q.projects.append(project)
+        if self.settings.has_project_policy(project):
+            self.project_episodes[project] = self.project_episodes.get(project, 0) + 1
         if q.first_at is None:
             q.first_at = time.monotonic()
 
@@ -321,6 +404,7 @@ class OnlineTrainer:
         self.trainer_step += 1
         metrics.update(reward_mean=sum(q.rewards) / len(q.rewards), accept_rate=q.accepted / len(q.rewards),
                        staleness_mean=sum(q.staleness) / len(q.staleness), staleness_max=float(max(q.staleness)))
+        self._update_projects(samples, q)
         p = self.progress
         p.trained += len(samples)
         p.updates += 1
@@ -335,44 +419,90 @@ class OnlineTrainer:
             return 1
         return 0
 
-    def _log_metrics(self, metrics: dict) -> None:
+    def _update_projects(self, samples: list[Sample], q: Pending) -> None:
+        """Each project's own policy trains on that project's samples of the batch (with the same advantages:
+        the baseline is already per project). A project gets its policy once it has enough episodes."""
+        for project in dict.fromkeys(q.projects):
+            if (project not in self.projects and self.settings.has_project_policy(project)
+                    and self.project_episodes.get(project, 0) >= self.settings.project_min_episodes):
+                start = self.store.manifest(self.version) if self.version else None
+                log.info("project %s: %d episodes, its own policy starts from version %d", project,
+                         self.project_episodes[project], self.version)
+                self.projects[project] = ProjectPolicy(project, self._load_policy(start), 0)
+            own = self.projects.get(project) if self.settings.has_project_policy(project) else None
+            if own is None:
+                continue
+            rows = [i for i, p in enumerate(q.projects) if p == project]
+            metrics = own.policy.update([samples[i] for i in rows])
+            metrics.update(reward_mean=sum(q.rewards[i] for i in rows) / len(rows))
+            own.updates += 1
+            own.trained += len(rows)
+            own.update_metrics.append(metrics)
+            self._log_metrics(metrics, project=project)
+            log.info("project %s: update done on %d episodes, reward %.3f, kl %.4f", project, len(rows),
+                     metrics["reward_mean"], metrics["approx_kl"])
+
+    def _log_metrics(self, metrics: dict, project: str = "") -> None:
         row = {"step": self.trainer_step, "version": self.version, "time": time.time(), **metrics}
-        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.write(json.dumps({**row, "project": project} if project else row) + "\n")
         self.metrics_file.flush()
         if self.writer is not None:
+            prefix = f"project/{project}/" if project else "train/"
             for k, v in metrics.items():
-                self.writer.add_scalar(f"train/{k}", v, self.trainer_step)
+                self.writer.add_scalar(f"{prefix}{k}", v, self.trainer_step)
             self.writer.flush()
 
     # -- versions ------------------------------------------------------------------
 
     def _save_version(self, consumer: Consumer) -> Manifest:
-        import tempfile
-
         p = self.progress
-        version = self.store.next_version()
-        averaged = {k: sum(m[k] for m in p.update_metrics) / len(p.update_metrics)
-                    for k in p.update_metrics[-1] if all(k in m for m in p.update_metrics)}
+        # The projects' versions first, the shared one last: its manifest names them, so it is the commit record
+        # of the whole save point (module docstring).
+        project_manifests = [self._save_project(own) for own in self.projects.values() if own.updates]
+        averaged = _averaged(p.update_metrics)
         averaged.update({f"baseline_mean/{proj}": mean for proj, mean in self.baseline.means.items()})
         averaged.update({f"baseline_count/{proj}": float(n) for proj, n in self.baseline.counts.items()})
-        with tempfile.TemporaryDirectory(dir=self.log_dir) as tmp:
-            self.policy.save(Path(tmp))
-            manifest = self.store.save(version, Path(tmp), dict(
-                parent_version=self.version, kind=self.policy.kind, trainer_step=self.trainer_step,
-                episodes_consumed=p.consumed, episodes_trained=p.trained, episodes_dropped=dict(p.dropped),
-                source_topic=self.topic, source_offsets_start=dict(p.offsets_start), source_offsets=dict(p.offsets),
-                episodes_consumed_total=self.total_consumed + p.consumed, metrics=averaged))
+        averaged.update({f"{PROJECT_VERSION}{proj}": float(own.version) for proj, own in self.projects.items()})
+        averaged.update({f"{PROJECT_EPISODES}{proj}": float(n) for proj, n in self.project_episodes.items()})
+        manifest = self._write(self.policy, dict(
+            parent_version=self.version, trainer_step=self.trainer_step, episodes_consumed=p.consumed,
+            episodes_trained=p.trained, episodes_dropped=dict(p.dropped), metrics=averaged))
+        self.shared_versions.append(manifest.version)
+        for project_manifest in project_manifests:
+            self._announce(project_manifest, weights_in_memory=True)
         self._announce(manifest, weights_in_memory=True)
         # Weights and manifest are on disk, Kafka has the WeightVersion: now the offsets may move.
         commit = [TopicPartition(self.topic, int(part), off) for part, off in p.offsets.items()]
         if commit:
             consumer.commit(offsets=commit, asynchronous=False)
-        self.version = version
+        self.version = manifest.version
         self.total_consumed += p.consumed
         self.progress = Progress(dict(p.offsets), dict(p.offsets))
-        log.info("version %d saved (%d episodes, %d trained, dropped %s) at %s", version, manifest.episodes_consumed,
-                 manifest.episodes_trained, manifest.episodes_dropped or "none", manifest.uri)
+        log.info("version %d saved (%d episodes, %d trained, dropped %s) at %s", manifest.version,
+                 manifest.episodes_consumed, manifest.episodes_trained, manifest.episodes_dropped or "none",
+                 manifest.uri)
         return manifest
+
+    def _save_project(self, own: ProjectPolicy) -> Manifest:
+        """A project's version: its adapter, the episodes it trained on since its last save, the same offsets."""
+        manifest = self._write(own.policy, dict(
+            parent_version=own.version or self.version, trainer_step=self.trainer_step,
+            episodes_consumed=own.trained, episodes_trained=own.trained, episodes_dropped={},
+            metrics=_averaged(own.update_metrics), project_id=own.project))
+        log.info("project %s: version %d saved (%d episodes trained)", own.project, manifest.version, own.trained)
+        own.version, own.updates, own.trained = manifest.version, 0, 0
+        own.update_metrics.clear()
+        return manifest
+
+    def _write(self, policy: PolicyTrainer, fields: dict) -> Manifest:
+        import tempfile
+
+        p = self.progress
+        with tempfile.TemporaryDirectory(dir=self.log_dir) as tmp:
+            policy.save(Path(tmp))
+            return self.store.save(self.store.next_version(), Path(tmp), dict(
+                kind=policy.kind, source_topic=self.topic, source_offsets_start=dict(p.offsets_start),
+                source_offsets=dict(p.offsets), episodes_consumed_total=self.total_consumed + p.consumed, **fields))
 
     def _announce(self, manifest: Manifest, *, weights_in_memory: bool = False) -> None:
         """Publish the version's WeightVersion and wait for the ack (the status the settings ask for, if the
@@ -381,17 +511,18 @@ class OnlineTrainer:
         if self.settings.canary_share > 0:
             status = "CANDIDATE"
             extra = {CANARY_SHARE: self.settings.canary_share,
-                     BASELINE_VERSION: float(self.serving_version)}
+                     BASELINE_VERSION: float(self._serving_of(manifest.project_id))}
         else:
             status = "PROMOTED" if self.settings.auto_promote else "CANDIDATE"
         gate = self.settings.promote_gate
         if gate != "none" and (status == "PROMOTED" or CANARY_SHARE in extra):
-            decision, figures = self._gate(manifest.version, weights_in_memory)
+            decision, figures = self._gate(manifest, weights_in_memory)
             if gate == "shadow":
                 verdict = "would go out" if decision.passed else "would wait (shadow: goes out anyway)"
             else:
                 verdict = "goes out" if decision.passed else "waits as CANDIDATE"
-            log.info("promotion gate: version %d %s: %s", manifest.version, verdict, decision.reason)
+            log.info("promotion gate: version %d%s %s: %s", manifest.version,
+                     f" (project {manifest.project_id})" if manifest.project_id else "", verdict, decision.reason)
             if decision.passed or gate == "shadow":
                 extra = {**extra, **figures}
             else:
@@ -405,30 +536,41 @@ class OnlineTrainer:
     def _publish_unannounced(self) -> None:
         """A crash between the manifest and the WeightVersion left a version nobody heard of: announce it now."""
         announced = fold_statuses(self.weight_records, self.base_model)
+        newest_shared = self.shared_versions[-1] if self.shared_versions else 0
         for manifest in self.store.manifests():
+            if manifest.project_id and manifest.version > newest_shared:
+                # Written in a save point whose shared manifest never was: not part of any saved state.
+                log.warning("project %s: version %d was saved in an unfinished save point; not announced",
+                            manifest.project_id, manifest.version)
+                continue
             if manifest.version not in announced:
                 log.info("announcing version %d, saved before the last stop but never published", manifest.version)
                 self._announce(manifest)
 
-    def _gate(self, version: int, weights_in_memory: bool) -> tuple[GateDecision, dict[str, float]]:
-        """Estimate ``version`` on the held-out episodes the serving version served (trainer/gate.py)."""
+    def _gate(self, manifest: Manifest, weights_in_memory: bool) -> tuple[GateDecision, dict[str, float]]:
+        """Estimate the version on the held-out episodes its project's serving version served (a project's
+        version: that project's episodes only; trainer/gate.py)."""
         from streams.rewards import RewardSpecs
         from trainer.ope_episodes import evaluate_logged, select_episodes
 
-        serving = self.serving_version
+        version, project = manifest.version, manifest.project_id
+        serving = self._serving_of(project)
+        policy = self.projects[project].policy if project else self.policy
         if not weights_in_memory:  # announced after a restart: those weights are not the ones loaded
             decision = GateDecision(False, f"version {version} was saved before a restart and not re-evaluated")
             return decision, estimate_metrics(None, serving_version=serving, held_out=0, decision=decision)
         s = self.settings
-        logged = select_episodes((ep for ep in self.gate_episodes if ep["policy_version"] == serving),
-                                 self.policy.tokenizer, max_prompt_tokens=s.max_prompt_tokens)
+        logged = select_episodes((ep for ep in self.gate_episodes if ep["policy_version"] == serving
+                                  and (not project or ep["project_id"] == project)),
+                                 policy.tokenizer, max_prompt_tokens=s.max_prompt_tokens)
         held_out = len(logged.samples)
         result = None
         if held_out >= s.promote_gate_min_episodes:
-            result = evaluate_logged(self.policy.model, self.policy.tokenizer, logged, clip=s.promote_gate_clip,
+            specs = RewardSpecs.from_settings(s)
+            result = evaluate_logged(policy.model, policy.tokenizer, logged, clip=s.promote_gate_clip,
                                      level=s.promote_gate_level,
-                                     ignored_reward=RewardSpecs.from_settings(s).default.ignored,
-                                     device=self.policy.device)
+                                     ignored_reward=(specs.for_project(project) if project else specs.default).ignored,
+                                     device=policy.device)
         interval = gate_reward(result) if result else None
         decision = gate_decision(interval["low"] if interval else None,
                                  result["logged"].get("reward_mean") if result else None, held_out,
@@ -438,26 +580,32 @@ class OnlineTrainer:
     # -- canary ----------------------------------------------------------------------
 
     def _refresh_canary(self) -> None:
-        """Follow the newest undecided CANDIDATE that asked for a canary (or none)."""
+        """Follow each project's newest undecided CANDIDATE that asked for a canary ("" the shared policy's)."""
         statuses = fold_statuses(self.weight_records, self.base_model)
-        live = [s for s in statuses.values() if s.status == "CANDIDATE" and s.metrics.get(CANARY_SHARE, 0) > 0]
-        if not live:
-            self.canary = None
-            return
-        newest = max(live, key=lambda s: s.version)
-        if self.canary is None or self.canary.candidate != newest.version:
-            baseline = int(newest.metrics.get(BASELINE_VERSION, self.serving_version))
-            self.canary = CanaryTally(newest.version, baseline, newest.at_ms)
-            log.info("canary: version %d serves %.0f%% of requests, compared with version %d", newest.version,
-                     100 * newest.metrics[CANARY_SHARE], baseline)
+        live: dict[str, object] = {}
+        for s in sorted(statuses.values(), key=lambda s: s.version):
+            if s.status == "CANDIDATE" and s.metrics.get(CANARY_SHARE, 0) > 0:
+                live[self.version_project.get(s.version, "")] = s
+        for project in list(self.canaries):
+            if project not in live:
+                del self.canaries[project]
+        for project, newest in live.items():
+            tally = self.canaries.get(project)
+            if tally is None or tally.candidate != newest.version:
+                baseline = int(newest.metrics.get(BASELINE_VERSION, self._serving_of(project)))
+                self.canaries[project] = CanaryTally(newest.version, baseline, newest.at_ms, project=project)
+                log.info("canary%s: version %d serves %.0f%% of requests, compared with version %d",
+                         f" of project {project}" if project else "", newest.version,
+                         100 * newest.metrics[CANARY_SHARE], baseline)
 
     def _judge_canary(self) -> None:
-        if self.canary is None:
-            return
-        decision = self.canary.decide(self.settings.canary_min_episodes, self.settings.canary_margin)
-        if decision is None:
-            return
-        tally, self.canary = self.canary, None
+        for project, tally in list(self.canaries.items()):
+            decision = tally.decide(self.settings.canary_min_episodes, self.settings.canary_margin)
+            if decision is not None:
+                del self.canaries[project]
+                self._decide_canary(tally, decision)
+
+    def _decide_canary(self, tally: CanaryTally, decision: str) -> None:
         summary = tally.summary()
         log.info("canary: version %d %s (%s)", tally.candidate, decision, summary)
         # The gate's estimate stays beside the canary's measurement (the history's version_estimates view).
@@ -511,6 +659,12 @@ def load_policy(settings: Settings, store: WeightStore, manifest: Manifest | Non
             full = False
     return PolicyTrainer(model, tokenizer, config, device=device, full=full, lora_rank=settings.trainer_lora_rank,
                          adapter_dir=adapter_dir, seed=settings.trainer_seed, reference_model=reference)
+
+
+def _averaged(update_metrics: list[dict]) -> dict[str, float]:
+    """Each metric's mean over the updates that reported it in every update."""
+    return {k: sum(m[k] for m in update_metrics) / len(update_metrics)
+            for k in update_metrics[-1] if all(k in m for m in update_metrics)}
 
 
 def _baseline_from(manifest: Manifest) -> BaselineState:

@@ -140,9 +140,13 @@ class WeightStore:
     def manifests(self) -> list[Manifest]:
         return [self.manifest(v) for v in self.versions()]
 
-    def latest(self) -> Manifest | None:
-        versions = self.versions()
-        return self.manifest(versions[-1]) if versions else None
+    def latest(self, project: str | None = None) -> Manifest | None:
+        """The newest version (``project``: the newest of that project, "" the shared policy's)."""
+        for version in reversed(self.versions()):
+            manifest = self.manifest(version)
+            if project is None or manifest.project_id == project:
+                return manifest
+        return None
 
     def next_version(self) -> int:
         """One more than any version directory, complete or not: a half-written one is never reused."""
