@@ -124,6 +124,62 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": round(qs[49], 2), "p95": round(qs[94], 2), "p99": round(qs[98], 2)}
 
 
+def bench_adapters(settings: Settings, *, rows: int = 8, adapters: int = 4, prompt_repeats: int = 8,
+                   steps: int = 24, rounds: int = 3, rank: int = 16) -> dict:
+    """One decode step of ``rows`` rows, ms, side by side in each round: a LoRA version merged into a model
+    copy (how the shared policy's versions are served), one unmerged adapter of a peft model (a project's
+    version), ``adapters`` adapters mixed in one batch (several projects), and base rows through the peft
+    model; and the time to load one adapter into it (random adapters of rank ``rank``, on TABLOOP_MODEL)."""
+    import copy
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from trainer.models import CachedDecoder, load_model, lora_target_modules, use_torch_threads
+    from trainer.named_models import resolve_model_spec
+
+    use_torch_threads(settings.torch_threads)
+    spec = resolve_model_spec(settings)
+    base, tokenizer = load_model(spec)
+    targets = lora_target_modules(base)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for i in range(adapters):
+            torch.manual_seed(i)
+            config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+            get_peft_model(copy.deepcopy(base), config).save_pretrained(Path(tmp) / f"a{i}")
+            paths.append(str(Path(tmp) / f"a{i}"))
+        merged = PeftModel.from_pretrained(copy.deepcopy(base), paths[0]).merge_and_unload().eval()
+        peft = get_peft_model(base, LoraConfig(r=1, target_modules=targets), adapter_name="zero").eval()
+        loads = []
+        for i, path in enumerate(paths):
+            started = time.perf_counter()
+            peft.load_adapter(path, adapter_name=f"v{i}")
+            loads.append((time.perf_counter() - started) * 1000)
+    text = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(prompt_repeats))
+    prompts = [tokenizer.encode(f"# row {r}\n" + text, add_special_tokens=False) for r in range(rows)]
+
+    def step_ms(model, names) -> float:
+        with torch.inference_mode():
+            decoder = CachedDecoder.for_prompts(model, prompts, pad_id=0, adapters=names)
+            started = time.perf_counter()
+            for _ in range(steps):
+                decoder.step(torch.full((rows,), 5, device=decoder.device))
+            return (time.perf_counter() - started) / steps * 1000
+
+    cases = {"merged_copy": (merged, None), "one_adapter": (peft, ["v0"] * rows),
+             f"{adapters}_adapters_mixed": (peft, [f"v{r % adapters}" for r in range(rows)]),
+             "base_rows_via_peft": (peft, ["__base__"] * rows)}
+    per_round = [{name: round(step_ms(*case), 1) for name, case in cases.items()} for _ in range(rounds)]
+    ratios = [{name: round(r[name] / r["merged_copy"], 2) for name in cases} for r in per_round]
+    return _emit({"bench": "adapters", "model": spec, "rows": rows, "prompt_tokens": max(len(p) for p in prompts),
+                  "rank": rank, "step_ms": per_round, "vs_merged": ratios,
+                  "adapter_load_ms": [round(x) for x in loads]})
+
+
 def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: int = 12, max_tokens: int = 32,
                   rounds: int = 2) -> dict:
     """N concurrent streaming clients against the bare engine (in this process) and against the front door

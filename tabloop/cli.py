@@ -661,6 +661,20 @@ def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens:
     run(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
 
 
+@bench.command("adapters")
+@click.option("--rows", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--adapters", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Adapters mixed in one batch (projects with versions of their own).")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--rank", type=click.IntRange(min=1), default=16, show_default=True)
+@click.pass_context
+def bench_adapters(ctx: click.Context, rows: int, adapters: int, rounds: int, rank: int) -> None:
+    """Decode-step cost of per-project adapters vs a merged copy, and adapter load time (TABLOOP_MODEL)."""
+    from tabloop.bench import bench_adapters as run
+
+    run(_settings(ctx), rows=rows, adapters=adapters, rounds=rounds, rank=rank)
+
+
 # -- continue: the IDE's config (infra/local.py) ----------------------------------------------------
 
 @main.group("continue")

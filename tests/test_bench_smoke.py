@@ -53,6 +53,14 @@ def check_trainer(r):
     assert r["lora"]["seconds_per_update"] > 0 and 0 < r["lora"]["trainable_parameters"] < r["lora"]["parameters"]
 
 
+def check_adapters(r):
+    assert (r["rows"], r["rank"], len(r["step_ms"]), len(r["adapter_load_ms"])) == (3, 2, 2, 2)
+    for step_ms, ratios in zip(r["step_ms"], r["vs_merged"]):
+        assert set(step_ms) == {"merged_copy", "one_adapter", "2_adapters_mixed", "base_rows_via_peft"}
+        assert all(ms > 0 for ms in step_ms.values()) and ratios["merged_copy"] == 1.0
+    assert all(ms > 0 for ms in r["adapter_load_ms"])
+
+
 # name: (arguments, settings for the run, the check of its JSON)
 BENCHES = {
     "codec": (["--events", "200"], {}, check_codec),
@@ -64,6 +72,7 @@ BENCHES = {
     "trainer": (["--model-shape", "tiny", "--mode", "lora", "--batch", "2", "--micro-batch", "2",
                  "--prompt-tokens", "16", "--completion-tokens", "4", "--updates", "1", "--device", "cpu"], {},
                 check_trainer),
+    "adapters": (["--rows", "3", "--adapters", "2", "--rounds", "2", "--rank", "2"], {}, check_adapters),
 }
 
 

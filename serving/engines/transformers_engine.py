@@ -8,10 +8,13 @@ request that arrives while others are decoding gets its first token after one
 step, not after their whole generation (static batching made the front door's
 time to first token several times the engine's under concurrent clients).
 
-Weight versions: a FULL version is a second model copy, loaded off the
-generation thread; LoRA versions are named adapters of one peft model over the
-base (one copy of the base, however many versions), and a batch holds rows of
-any of them (peft's per-row adapter names). Changes are applied between steps:
+Weight versions: the shared policy's versions are whole model copies (a LoRA
+version merged into a copy of the base), built off the generation thread, the
+fastest to decode. A project's LoRA versions are named adapters of one peft
+model over the base (one copy of the base, however many projects), and a batch
+holds rows of any of them and of the base (peft's per-row adapter names): on
+this CPU an unmerged adapter costs 1.4-1.9x a merged copy per step, which is
+paid only by projects that have versions of their own. Changes are applied between steps:
 requests admitted afterwards see them, rows already running finish on the
 version they started on, so a request runs start to end on one version and its
 tokens are stamped with it.
@@ -150,7 +153,8 @@ class TransformersEngine(Engine):
         self.batch_window_s = batch_window_ms / 1000
         self._base_model, self._tokenizer = load_model(model_spec, device=device)
         self._lora_targets = lora_target_modules(self._base_model)
-        self._peft = None  # the peft model over the base, made when the first LoRA version is loaded
+        self._peft = None  # the peft model over the base, made when the first project version is loaded
+        self._peft_lock = threading.Lock()  # the base is not copied while it is being wrapped
         self._routes: dict[str, _Route] = {"": _Route(_Policy(policy_version, self._base_model))}
         self._last_used: dict[str, float] = {}  # project -> when a request last took its route (LRU)
         self._unloaded: dict[str, _Route] = {}  # project -> the route unloaded past max_adapters
@@ -210,13 +214,13 @@ class TransformersEngine(Engine):
             slot.cancelled = True  # the generation thread drops the row at its next step
 
     async def load_version(self, version: int, uri: str, kind: str, *, project: str = "") -> None:
-        policy = await asyncio.to_thread(self._build_version, version, uri, kind)
+        policy = await asyncio.to_thread(self._build_version, version, uri, kind, project)
         await self._stage(("promoted", project, policy))
 
     async def load_candidate(self, version: int, uri: str, kind: str, share: float, *, project: str = "") -> None:
         if not 0.0 < share < 1.0:
             raise ValueError(f"a canary's share of requests must be between 0 and 1, got {share}")
-        policy = await asyncio.to_thread(self._build_version, version, uri, kind)
+        policy = await asyncio.to_thread(self._build_version, version, uri, kind, project)
         await self._stage(("candidate", project, policy, share))
 
     async def promote_candidate(self, *, project: str = "") -> None:
@@ -257,9 +261,10 @@ class TransformersEngine(Engine):
         if failure:
             raise failure[0]
 
-    def _build_version(self, version: int, uri: str, kind: str) -> _Policy:
-        """A FULL version's model is loaded here (off the generation thread); a LoRA version is only checked
-        here, and becomes an adapter of the peft model on the generation thread (``_policy_of``)."""
+    def _build_version(self, version: int, uri: str, kind: str, project: str = "") -> _Policy:
+        """A model copy for a FULL version or a shared LoRA version (merged), loaded here, off the generation
+        thread; a project's LoRA version is only checked here, and becomes an adapter of the peft model on
+        the generation thread (``_resident``)."""
         if version == 0 or not uri:
             return _Policy(0, self._base_model)
         path = uri.removeprefix("file://")
@@ -271,13 +276,25 @@ class TransformersEngine(Engine):
             if not config.is_file():
                 raise FileNotFoundError(f"version {version}: no LoRA adapter at {path} (no adapter_config.json)")
             json.loads(config.read_text())  # a broken file fails here, not on the generation thread
-            return _Policy(version, self._base_model, adapter=f"v{version}", source=(uri, kind))
-        if kind == "FULL":
+            if project:
+                return _Policy(version, self._base_model, adapter=f"v{version}", source=(uri, kind))
+            from peft import PeftModel
+
+            with self._peft_lock:
+                wrapped = self._peft is not None
+                base = None if wrapped else copy.deepcopy(self._base_model)
+            if wrapped:  # the base now holds adapters: a clean copy comes from where the base came from
+                from trainer.models import load_model
+
+                base, _ = load_model(self.model_name, device=self.device)
+            model = PeftModel.from_pretrained(base, path).merge_and_unload()
+        elif kind == "FULL":
             from trainer.models import load_model
 
             model, _ = load_model(str(path), device=self.device)
-            return _Policy(version, model.eval(), source=(uri, kind))
-        raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
+        else:
+            raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
+        return _Policy(version, model.eval(), source=(uri, kind))
 
     # -- the generation thread --------------------------------------------------
 
@@ -432,29 +449,31 @@ class TransformersEngine(Engine):
 
         config = LoraConfig(r=1, lora_alpha=1, target_modules=self._lora_targets, lora_dropout=0.0,
                             init_lora_weights=True)  # B = 0: the adapter adds nothing
-        self._peft = get_peft_model(self._base_model, config, adapter_name=_ZERO_ADAPTER).eval()
+        with self._peft_lock:
+            self._peft = get_peft_model(self._base_model, config, adapter_name=_ZERO_ADAPTER).eval()
         base = self._base_policy()
         self._routes = {project: _Route(*(base if p is not None and p.version == 0 else p
                                           for p in (r.promoted, r.candidate)), r.share)
                         for project, r in self._routes.items()}
 
+    def _routed_adapters(self) -> set[str]:
+        return {p.adapter for r in self._routes.values() for p in r.policies() if p.adapter not in (None, BASE_ADAPTER)}
+
     def _make_room(self, running: list[_Batch]) -> None:
-        """Below ``max_adapters`` loaded: drop unused adapters, then unload least-recently-used projects."""
-        self._collect_adapters(running)
-        while len(self.loaded_adapters()) >= self.max_adapters:
-            projects = [p for p, r in self._routes.items() if p and any(x.adapter for x in r.policies())]
+        """Room for one more adapter: the routes may hold ``max_adapters`` - 1; past that, the projects whose
+        routes were least recently used are unloaded (their rows still running keep theirs until they end)."""
+        while len(self._routed_adapters()) >= self.max_adapters:
+            projects = [p for p, r in self._routes.items()
+                        if p and any(x.adapter not in (None, BASE_ADAPTER) for x in r.policies())]
             if not projects:
-                log.warning("%d adapters loaded (TABLOOP_MAX_ADAPTERS) and none can be unloaded",
-                            len(self.loaded_adapters()))
-                return
+                log.warning("%d adapters routed (TABLOOP_MAX_ADAPTERS) and none can be unloaded",
+                            len(self._routed_adapters()))
+                break
             oldest = min(projects, key=lambda p: self._last_used.get(p, 0.0))
             self._unloaded[oldest] = self._routes.pop(oldest)
             log.warning("project %s unloaded to make room (TABLOOP_MAX_ADAPTERS=%d): the shared policy serves "
                         "it until its next request loads it again", oldest, self.max_adapters)
-            self._collect_adapters(running)
-            if len(self.loaded_adapters()) >= self.max_adapters and not any(
-                    p for p in self._routes if p and p != oldest):
-                return  # what is left is in use by running rows: it goes when they finish
+        self._collect_adapters(running)
 
     def _collect_adapters(self, running: list[_Batch]) -> None:
         """Unload adapters that no route serves and no running row uses."""
