@@ -675,6 +675,48 @@ def bench_adapters(ctx: click.Context, rows: int, adapters: int, rounds: int, ra
     run(_settings(ctx), rows=rows, adapters=adapters, rounds=rounds, rank=rank)
 
 
+@bench.command("teams")
+@click.option("--model", default="smollm2", show_default=True,
+              help="demo, smollm2, a model directory or a hub id (what TABLOOP_MODEL takes).")
+@click.option("--updates", type=click.IntRange(min=1), default=16, show_default=True,
+              help="RLOO updates of each policy (the shared one and each team's).")
+@click.option("--prompts-per-update", type=click.IntRange(min=2), default=4, show_default=True)
+@click.option("--group-size", type=click.IntRange(min=2), default=6, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=5e-4, show_default=True)
+@click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--threshold", type=click.FloatRange(0, 1), default=0.3, show_default=True,
+              help="A team's user takes a suggestion this close to its line (and in its quotes).")
+@click.option("--train-limit", type=click.IntRange(min=1), default=None, help="At most this many train tasks.")
+@click.option("--heldout", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-teams", show_default=True)
+@click.pass_context
+def bench_teams(ctx: click.Context, model: str, updates: int, prompts_per_update: int, group_size: int,
+                max_new_tokens: int, lr: float, lora_rank: int, threshold: float, train_limit: int | None,
+                heldout: int, seed: int, out_dir: str) -> None:
+    """Two simulated teams with different quoting conventions: each team's held-out accept rate under a shared
+    policy and under its own (trainer/proof/teams.py)."""
+    from pathlib import Path
+
+    from tabloop.bench import _emit
+    from tabloop.loop_bench import resolve_model
+    from trainer.models import use_torch_threads
+    from trainer.proof.teams import TeamsConfig, run_teams_bench
+
+    settings = _settings(ctx)
+    use_torch_threads(settings.torch_threads)
+    try:
+        config = TeamsConfig(updates=updates, prompts_per_update=prompts_per_update, group_size=group_size,
+                             max_new_tokens=max_new_tokens, lr=lr, lora_rank=lora_rank, threshold=threshold,
+                             train_limit=train_limit, heldout=heldout, max_prompt_tokens=settings.max_prompt_tokens,
+                             seed=seed)
+    except ValueError as exc:
+        raise TabloopError(str(exc)) from None
+    result = run_teams_bench(resolve_model(settings, model), config, Path(out_dir))
+    _emit({k: result[k] for k in ("bench", "model", "train_tasks", "heldout_tasks", "comparison", "wall_s")})
+
+
 # -- continue: the IDE's config (infra/local.py) ----------------------------------------------------
 
 @main.group("continue")
