@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "TABLOOP_"
 CONFIG_VAR = "TABLOOP_CONFIG"
@@ -169,8 +169,15 @@ class Settings(BaseModel):
     def _project_list(cls, value: str) -> str:
         names = [n.strip() for n in value.split(",") if n.strip()]
         if "*" in names and len(names) > 1:
-            raise ValueError("TABLOOP_PROJECT_POLICIES is either * or a list of project ids, not both")
+            raise ValueError("either * (every project) or a list of project ids, not both")
         return ",".join(names)
+
+    @model_validator(mode="after")
+    def _project_policies_are_adapters(self) -> "Settings":
+        if self.project_policies and self.trainer_full_finetune:
+            raise ValueError("TABLOOP_PROJECT_POLICIES needs LoRA adapters (a project's own policy is one): it "
+                             "cannot be combined with TABLOOP_TRAINER_FULL_FINETUNE")
+        return self
 
     def has_project_policy(self, project: str) -> bool:
         """Whether ``project`` opted in to a policy of its own (TABLOOP_PROJECT_POLICIES)."""
@@ -321,13 +328,16 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def _describe(exc: ValidationError, origin: dict[str, str]) -> str:
     lines = []
     for err in exc.errors():
-        field = str(err["loc"][0]) if err["loc"] else "?"
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a rule between settings: its message names them
+            lines.append(msg)
+            continue
+        field = str(err["loc"][0])
         where = origin.get(field, field)
         if err["type"] == "extra_forbidden":
             known = ", ".join(env_var(f) for f in Settings.model_fields)
             lines.append(f"{where}: not a tabloop setting (known: {known})")
         else:
-            msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: {msg}")
     return "; ".join(lines)
 

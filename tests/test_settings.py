@@ -31,6 +31,7 @@ def test_environment_overrides():
     ("TABLOOP_KAFKA_HEAP", "lots", "512m"),
     ("TABLOOP_LOG_LEVEL", "LOUD", "DEBUG"),
     ("TABLOOP_KAFKA_BOOTSRAP", "127.0.0.1:1", "not a tabloop setting"),
+    ("TABLOOP_PROJECT_POLICIES", "*,alpha", "either * (every project) or a list"),
 ])
 def test_bad_values_name_the_variable(var, value, words):
     with pytest.raises(SettingsError) as err:
@@ -65,3 +66,13 @@ def test_cli_reports_bad_settings(tmp_path):
                           env={"TABLOOP_TOPIC_PARTITIONS": "x", "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     assert proc.returncode == 1
     assert "TABLOOP_TOPIC_PARTITIONS" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_project_policies_name_projects_and_need_lora():
+    s = load_settings(environ={"TABLOOP_PROJECT_POLICIES": " alpha , beta,"})
+    assert s.project_policies == "alpha,beta" and s.has_project_policy("beta") and not s.has_project_policy("gamma")
+    assert not s.has_project_policy("")  # "" is the shared policy, never a project
+    assert load_settings(environ={"TABLOOP_PROJECT_POLICIES": "*"}).has_project_policy("anyone")
+    with pytest.raises(SettingsError) as err:
+        load_settings(environ={"TABLOOP_PROJECT_POLICIES": "alpha", "TABLOOP_TRAINER_FULL_FINETUNE": "true"})
+    assert str(err.value).startswith("TABLOOP_PROJECT_POLICIES needs LoRA adapters")

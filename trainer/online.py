@@ -112,9 +112,6 @@ class OnlineTrainer:
         from trainer.named_models import resolve_model_spec
 
         use_torch_threads(settings.torch_threads)
-        if settings.project_policies and settings.trainer_full_finetune:
-            raise ValueError("a project's own policy is a LoRA adapter: TABLOOP_PROJECT_POLICIES cannot be combined "
-                             "with TABLOOP_TRAINER_FULL_FINETUNE")
         self.settings = settings
         self.topic = topic
         self.group_id = group_id or settings.trainer_group

@@ -12,12 +12,12 @@ Weight versions: the shared policy's versions are whole model copies (a LoRA
 version merged into a copy of the base), built off the generation thread, the
 fastest to decode. A project's LoRA versions are named adapters of one peft
 model over the base (one copy of the base, however many projects), and a batch
-holds rows of any of them and of the base (peft's per-row adapter names): on
-this CPU an unmerged adapter costs 1.4-1.9x a merged copy per step, which is
-paid only by projects that have versions of their own. Changes are applied between steps:
-requests admitted afterwards see them, rows already running finish on the
-version they started on, so a request runs start to end on one version and its
-tokens are stamped with it.
+holds rows of any of them and of the base (peft's per-row adapter names). An
+unmerged adapter costs more per step than a merged copy (``tabloop bench
+adapters``), which only projects with versions of their own pay. Changes are
+applied between steps: requests admitted afterwards see them, rows already
+running finish on the version they started on, so a request runs start to end
+on one version and its tokens are stamped with it.
 
 Routes: the shared policy, and one per project that has its own promoted
 version (``project``: the request's project id). A route may hold a canary: a
@@ -399,16 +399,17 @@ class TransformersEngine(Engine):
 
     def _apply_change(self, change: tuple, running: list[_Batch]) -> None:
         kind, project = change[0], change[1]
+        # Made resident first: wrapping the base in the peft model rewrites the routes.
+        policy = self._resident(change[2], running) if kind in ("promoted", "candidate") else None
         route = self._routes.get(project)
         label = f"project {project}" if project else "shared policy"
         if kind == "promoted":
-            policy = self._resident(change[2], running)
             keep = route is not None and route.candidate is not None and route.candidate.version != policy.version
             self._routes[project] = _Route(policy, route.candidate if keep else None, route.share if keep else 0.0)
             self._unloaded.pop(project, None)
             log.info("%s: now serving version %d", label, policy.version)
         elif kind == "candidate":
-            policy, share = self._resident(change[2], running), change[3]
+            share = change[3]
             self._routes[project] = _Route(route.promoted if route is not None else None, policy, share)
             log.info("%s: canary version %d serves %.0f%% of requests", label, policy.version, 100 * share)
         elif kind == "promote-candidate" and route is not None and route.candidate is not None:
