@@ -318,3 +318,45 @@ def test_the_trainer_trains_an_opted_in_projects_own_adapter_and_resumes_it(setu
     later = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base,
                                            want=len(manifests))]
     assert orphan.version not in {r["version"] for r in later}
+
+
+@pytest.mark.kafka
+def test_a_projects_canary_is_judged_on_that_projects_episodes_only(setup):
+    """Real broker: in canary mode alpha's own version and the shared one each go out as a canary; alpha's is
+    decided on alpha's episodes alone (beta's accepts of the same baseline version would have rolled it back)."""
+    from schemas.topics import WEIGHTS
+    from tests.serving_helpers import find_events
+    from tests.test_trainer_online import episode, produce
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    settings = settings.model_copy(update={"project_policies": "alpha", "project_min_episodes": 2,
+                                           "canary_share": 0.5, "canary_min_episodes": 2})
+    produce(settings, topic, [episode(tok, i, "alpha") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(max_versions=1)
+        announced = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base,
+                                                   want=2)]
+        assert [(r["version"], r["project_id"], r["status"]) for r in announced] == [
+            (1, "alpha", "CANDIDATE"), (2, "", "CANDIDATE")]
+        assert {p: t.candidate for p, t in trainer.canaries.items()} == {"alpha": 1, "": 2}
+        # alpha: its version 1 half accepted, the base model (its baseline) rejected. beta accepts the base model.
+        produce(settings, topic, [episode(tok, 10, "alpha", policy_version=1, accepted=True),
+                                  episode(tok, 11, "alpha", policy_version=1, accepted=False)]
+                + [episode(tok, 20 + i, "alpha", policy_version=0, accepted=False) for i in range(2)]
+                + [episode(tok, 30 + i, "beta", policy_version=0, accepted=True) for i in range(4)]
+                + [episode(tok, 40 + i, "beta", policy_version=2, accepted=True) for i in range(2)])
+        # No update while they come in: a new version would replace both canaries before their decisions.
+        trainer.settings = trainer.settings.model_copy(update={"trainer_batch_size": 100})
+        trainer.run(idle_exit_s=3)
+    finally:
+        trainer.close()
+    decided = {r["version"]: r for r in (e.record for e in find_events(
+        settings, WEIGHTS.name, lambda e: e.record["base_model"] == base and e.record["status"] != "CANDIDATE",
+        want=2))}
+    alpha = decided[1]
+    assert (alpha["project_id"], alpha["status"]) == ("alpha", "PROMOTED")
+    assert alpha["metrics"]["canary_baseline_episodes"] == 2.0  # alpha's two, not beta's four
+    assert (alpha["metrics"]["canary_candidate_accept_rate"], alpha["metrics"]["canary_baseline_accept_rate"]) == (0.5, 0.0)
+    assert decided[2]["project_id"] == ""  # the shared canary is decided on its own

@@ -552,10 +552,10 @@ class OnlineTrainer:
 
         version, project = manifest.version, manifest.project_id
         serving = self._serving_of(project)
-        policy = self.projects[project].policy if project else self.policy
         if not weights_in_memory:  # announced after a restart: those weights are not the ones loaded
             decision = GateDecision(False, f"version {version} was saved before a restart and not re-evaluated")
             return decision, estimate_metrics(None, serving_version=serving, held_out=0, decision=decision)
+        policy = self.projects[project].policy if project else self.policy
         s = self.settings
         logged = select_episodes((ep for ep in self.gate_episodes if ep["policy_version"] == serving
                                   and (not project or ep["project_id"] == project)),
