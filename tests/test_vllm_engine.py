@@ -165,3 +165,39 @@ def test_a_new_lora_version_is_loaded_on_every_replica_and_then_requested_by_nam
     finally:
         for r in (*replicas, failing):
             r.stop()
+
+
+def test_each_project_asks_the_replicas_for_its_own_adapter(tiny_model, tmp_path):
+    import asyncio
+    from dataclasses import replace
+
+    from serving.engines.base import GenerationRequest
+    from serving.engines.vllm_engine import VLLMEngine
+
+    replica = RecordingReplica()
+    try:
+        settings = make_settings(tmp_path, model=tiny_model, engine="vllm", vllm_urls=replica.url)
+        request = GenerationRequest(prompt_ids=[], max_new_tokens=4, temperature=1.0, top_p=1.0, prompt_text="a = ")
+
+        async def scenario():
+            engine = VLLMEngine(settings)
+            try:
+                await engine.load_version(3, "file:///w/v3", "LORA", project="alpha")
+                await engine.load_version(5, "file:///w/v5", "LORA")  # the shared policy
+                served = []
+                for project in ("alpha", "beta"):
+                    served += [s.policy_version async for s in engine.stream(replace(request, project_id=project))]
+                await engine.drop_project("alpha")
+                served += [s.policy_version async for s in engine.stream(replace(request, project_id="alpha"))]
+                with pytest.raises(ValueError, match="shared policy cannot be dropped"):
+                    await engine.drop_project("")
+                return served, engine.policy_version
+            finally:
+                await engine.close()
+
+        served, shared_version = asyncio.run(scenario())
+        assert served == [3, 5, 5] and shared_version == 5
+        asked = [body["model"] for path, body in replica.requests if path == "/v1/completions"]
+        assert asked == ["tabloop-v3", "tabloop-v5", "tabloop-v5"]
+    finally:
+        replica.stop()
