@@ -689,12 +689,14 @@ def bench_adapters(ctx: click.Context, rows: int, adapters: int, rounds: int, ra
               help="A team's user takes a suggestion this close to its line (and in its quotes).")
 @click.option("--train-limit", type=click.IntRange(min=1), default=None, help="At most this many train tasks.")
 @click.option("--heldout", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--ignored-reward", type=click.FloatRange(-0.25, 0.75), default=0.0, show_default=True,
+              help="Reward of showing nothing (rejected -0.25, accepted 0.75).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-teams", show_default=True)
 @click.pass_context
 def bench_teams(ctx: click.Context, model: str, updates: int, prompts_per_update: int, group_size: int,
                 max_new_tokens: int, lr: float, lora_rank: int, threshold: float, train_limit: int | None,
-                heldout: int, seed: int, out_dir: str) -> None:
+                heldout: int, ignored_reward: float, seed: int, out_dir: str) -> None:
     """Two simulated teams with different quoting conventions: each team's held-out accept rate under a shared
     policy and under its own (trainer/proof/teams.py)."""
     from pathlib import Path
@@ -710,7 +712,7 @@ def bench_teams(ctx: click.Context, model: str, updates: int, prompts_per_update
         config = TeamsConfig(updates=updates, prompts_per_update=prompts_per_update, group_size=group_size,
                              max_new_tokens=max_new_tokens, lr=lr, lora_rank=lora_rank, threshold=threshold,
                              train_limit=train_limit, heldout=heldout, max_prompt_tokens=settings.max_prompt_tokens,
-                             seed=seed)
+                             seed=seed, ignored_reward=ignored_reward)
     except ValueError as exc:
         raise TabloopError(str(exc)) from None
     result = run_teams_bench(resolve_model(settings, model), config, Path(out_dir))

@@ -133,6 +133,9 @@ class TeamsConfig:
     heldout: int = 64
     max_prompt_tokens: int = 256
     seed: int = 0
+    ignored_reward: float = 0.0
+    """The reward of showing nothing (the reward spec's ``ignored``; rejected is -0.25, accepted 0.75). At 0,
+    silence is the safe answer to a user whose taste the policy does not know; at -0.25 it is a miss."""
 
     def __post_init__(self) -> None:
         if self.updates < 1 or self.heldout < 1 or self.prompts_per_update < 2:
@@ -174,7 +177,7 @@ def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
     started = time.monotonic()
     train = quote_tasks("train", seed=config.seed, limit=config.train_limit)
     heldout = quote_tasks("heldout", seed=config.seed, limit=config.heldout)
-    users, spec = TeamUsers(config.threshold), RewardSpec()
+    users, spec = TeamUsers(config.threshold), RewardSpec(ignored=config.ignored_reward)
     say(f"bench teams: {len(train)} train tasks, {len(heldout)} held-out tasks, model {model_spec}")
     offline = OfflineConfig(algo="rloo", group_size=config.group_size, prompts_per_update=config.prompts_per_update,
                             max_new_tokens=config.max_new_tokens, temperature=config.temperature,
@@ -230,8 +233,13 @@ def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
     comparison = {team: {"shared": results["shared"][team]["accept_rate_shown"],
                          "own": results[f"team:{team}"][team]["accept_rate_shown"],
                          "base": results["base"][team]["accept_rate_shown"]} for team in TEAMS}
-    for c in comparison.values():
-        c["own_beats_shared"] = (c["own"] or 0.0) > (c["shared"] or 0.0)
+    for team, c in comparison.items():
+        # Showing nothing leaves the accept rate among shown undefined (None): then it is not beaten, and the
+        # other figures (share shown, accepted characters, mean reward) say what happened.
+        c["own_beats_shared"] = c["own"] is not None and (c["shared"] is None or c["own"] > c["shared"])
+        for figure in ("shown_share", "accepted_chars_per_request", "reward_mean"):
+            c[figure] = {label: results[key][team][figure] for label, key in
+                         (("base", "base"), ("shared", "shared"), ("own", f"team:{team}"))}
     result = {"bench": "teams", "model": model_spec, "config": config.__dict__, "train_tasks": len(train),
               "heldout_tasks": len(heldout), "heldout": results, "comparison": comparison, "training": training,
               "wall_s": round(time.monotonic() - started, 1)}
