@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trainer.proof.tasks import FimTask
-from trainer.proof.teams import (TEAMS, TeamsConfig, TeamUsers, first_literal_quote, quote_tasks, requote,
-                                 shared_schedule, team_of, team_schedule, team_task)
+from trainer.proof.teams import (TEAMS, TeamsConfig, TeamUsers, first_literal_quote, quote_tasks, requote, schedule,
+                                 team_of, team_task)
 
 
 def test_requote_changes_one_line_literals_and_keeps_their_prefix():
@@ -65,8 +65,8 @@ def test_quote_tasks_put_the_cursor_before_a_literal_and_keep_the_splits_apart()
 def test_the_shared_policy_sees_both_teams_in_every_update_on_the_same_tasks():
     train = [_task(f"'m{i}')") for i in range(10)]
     config = TeamsConfig(updates=5, prompts_per_update=4)
-    shared = shared_schedule(train, config)
-    own = {team: team_schedule(train, config, team) for team in TEAMS}
+    shared = schedule(train, config, list(TEAMS))
+    own = {team: schedule(train, config, [team]) for team in TEAMS}
     assert len(shared) == 5 and all(len(u) == 4 for u in shared)
     for u, update in enumerate(shared):
         assert {team_of(t) for t in update} == set(TEAMS)

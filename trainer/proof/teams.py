@@ -107,16 +107,16 @@ def team_of(task: FimTask) -> str:
 
 @dataclass(frozen=True)
 class TeamUsers:
-    """Each team's simulated user: close enough to the team's line, and the team's quotes."""
+    """Each team's simulated user: the similarity user of ``tabloop eval`` (``UserModel``) on the team's line,
+    who also wants the team's quotes."""
 
     threshold: float = 0.3
 
     def accepts(self, task: FimTask, shown: str, *, run_tests: Callable[[str], bool] | None = None) -> bool:
-        from trainer.metrics import edit_similarity
+        from trainer.proof.simulate import UserModel
 
-        got, want = first_line(shown).rstrip(), task.true_line_rest.rstrip()
-        return (first_literal_quote(got) == TEAMS[team_of(task)]
-                and edit_similarity(got, want) >= self.threshold)
+        return (first_literal_quote(first_line(shown)) == TEAMS[team_of(task)]
+                and UserModel("similarity", self.threshold).accepts(task, shown))
 
 
 @dataclass(frozen=True)
@@ -143,21 +143,14 @@ class TeamsConfig:
                              "(the shared policy's updates hold both teams' prompts)")
 
 
-def shared_schedule(train: Sequence[FimTask], config: TeamsConfig) -> list[list[FimTask]]:
-    """The shared policy's updates: each holds both teams, alternating, on the same task order as theirs."""
+def schedule(train: Sequence[FimTask], config: TeamsConfig, teams: Sequence[str]) -> list[list[FimTask]]:
+    """A policy's updates: the same task order for every policy, each task as one of ``teams`` asks it (the
+    shared policy: both, alternating, so each update holds both teams; a team's own policy: that team)."""
     from trainer.proof.offline import task_schedule
 
-    teams = list(TEAMS)
-    return [[team_task(train[i], teams[(u + k) % 2]) for k, i in enumerate(picked)]
+    return [[team_task(train[i], teams[(u + k) % len(teams)]) for k, i in enumerate(picked)]
             for u, picked in enumerate(task_schedule(len(train), config.prompts_per_update, config.updates,
                                                      config.seed))]
-
-
-def team_schedule(train: Sequence[FimTask], config: TeamsConfig, team: str) -> list[list[FimTask]]:
-    from trainer.proof.offline import task_schedule
-
-    return [[team_task(train[i], team) for i in picked]
-            for picked in task_schedule(len(train), config.prompts_per_update, config.updates, config.seed)]
 
 
 def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
@@ -211,20 +204,20 @@ def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
     results["base"], rows = held_out(base_model, tokenizer, "base")
     all_rows += rows
     del base_model
-    schedules = {"shared": shared_schedule(train, config),
-                 **{f"team:{team}": team_schedule(train, config, team) for team in TEAMS}}
+    schedules = {"shared": schedule(train, config, list(TEAMS)),
+                 **{f"team:{team}": schedule(train, config, [team]) for team in TEAMS}}
     training = {}
-    for label, schedule in schedules.items():
+    for label, updates in schedules.items():
         model, tokenizer = load_model(model_spec)
         policy = PolicyTrainer(model, tokenizer, UpdateConfig(lr=config.lr, warmup_updates=0, micro_batch=8),
                                lora_rank=config.lora_rank, seed=config.seed)
         generator = torch.Generator().manual_seed(config.seed)
         curve = []
-        for u, tasks in enumerate(schedule):
+        for u, tasks in enumerate(updates):
             step = offline_update(policy, tasks, offline, score, generator)
             curve.append({k: step.get(k) for k in ("reward_mean", "groups_with_signal", "samples_trained",
                                                    "approx_kl", "update_seconds", "sample_seconds")})
-            say(f"bench teams: {label} update {u + 1}/{len(schedule)}: reward {step['reward_mean']:.3f}, "
+            say(f"bench teams: {label} update {u + 1}/{len(updates)}: reward {step['reward_mean']:.3f}, "
                 f"{step['groups_with_signal']}/{step['groups']} groups with signal")
         training[label] = curve
         results[label], rows = held_out(policy.model, tokenizer, label)
