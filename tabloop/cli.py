@@ -676,8 +676,8 @@ def bench_adapters(ctx: click.Context, rows: int, adapters: int, rounds: int, ra
 
 
 @bench.command("teams")
-@click.option("--model", default="smollm2", show_default=True,
-              help="demo, smollm2, a model directory or a hub id (what TABLOOP_MODEL takes).")
+@click.option("--model", default=None,
+              help="demo, smollm2, a model directory or a hub id (default: TABLOOP_MODEL).")
 @click.option("--updates", type=click.IntRange(min=1), default=16, show_default=True,
               help="RLOO updates of each policy (the shared one and each team's).")
 @click.option("--prompts-per-update", type=click.IntRange(min=2), default=4, show_default=True)
@@ -694,7 +694,7 @@ def bench_adapters(ctx: click.Context, rows: int, adapters: int, rounds: int, ra
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-teams", show_default=True)
 @click.pass_context
-def bench_teams(ctx: click.Context, model: str, updates: int, prompts_per_update: int, group_size: int,
+def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per_update: int, group_size: int,
                 max_new_tokens: int, lr: float, lora_rank: int, threshold: float, train_limit: int | None,
                 heldout: int, ignored_reward: float, seed: int, out_dir: str) -> None:
     """Two simulated teams with different quoting conventions: each team's held-out accept rate under a shared
@@ -704,6 +704,7 @@ def bench_teams(ctx: click.Context, model: str, updates: int, prompts_per_update
     from tabloop.bench import _emit
     from tabloop.loop_bench import resolve_model
     from trainer.models import use_torch_threads
+    from trainer.named_models import resolve_model_spec
     from trainer.proof.teams import TeamsConfig, run_teams_bench
 
     settings = _settings(ctx)
@@ -715,7 +716,8 @@ def bench_teams(ctx: click.Context, model: str, updates: int, prompts_per_update
                              seed=seed, ignored_reward=ignored_reward)
     except ValueError as exc:
         raise TabloopError(str(exc)) from None
-    result = run_teams_bench(resolve_model(settings, model), config, Path(out_dir))
+    model_spec = resolve_model(settings, model) if model else resolve_model_spec(settings)
+    result = run_teams_bench(model_spec, config, Path(out_dir))
     _emit({k: result[k] for k in ("bench", "model", "train_tasks", "heldout_tasks", "comparison", "wall_s")})
 
 

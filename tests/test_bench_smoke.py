@@ -61,6 +61,13 @@ def check_adapters(r):
     assert all(ms > 0 for ms in r["adapter_load_ms"])
 
 
+def check_teams(r):
+    assert (r["train_tasks"], r["heldout_tasks"]) == (8, 4) and set(r["comparison"]) == {"single", "double"}
+    for figures in r["comparison"].values():
+        assert set(figures["shown_share"]) == {"base", "shared", "own"}
+        assert all(-0.25 <= v <= 0.75 for v in figures["reward_mean"].values())
+
+
 # name: (arguments, settings for the run, the check of its JSON)
 BENCHES = {
     "codec": (["--events", "200"], {}, check_codec),
@@ -73,6 +80,8 @@ BENCHES = {
                  "--prompt-tokens", "16", "--completion-tokens", "4", "--updates", "1", "--device", "cpu"], {},
                 check_trainer),
     "adapters": (["--rows", "3", "--adapters", "2", "--rounds", "2", "--rank", "2"], {}, check_adapters),
+    "teams": (["--updates", "1", "--heldout", "4", "--train-limit", "8", "--group-size", "2", "--out", "{tmp}/teams"],
+              {}, check_teams),
 }
 
 
@@ -80,6 +89,7 @@ def bench(name: str, args: list[str], kafka, tiny_model, tmp_path, **settings) -
     s = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
                       **settings)
     env = {**os.environ, **to_environ(s), "PYTHONPATH": os.getcwd()}
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]  # where a bench writes its files
     return subprocess.run([sys.executable, "-m", "tabloop.cli", "bench", name, *args], capture_output=True,
                           text=True, env=env, timeout=300)
 
