@@ -683,6 +683,8 @@ def bench_adapters(ctx: click.Context, rows: int, adapters: int, rounds: int, ra
 @click.option("--prompts-per-update", type=click.IntRange(min=2), default=4, show_default=True)
 @click.option("--group-size", type=click.IntRange(min=2), default=6, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Sampling temperature of the training samples (the held-out completions are greedy).")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=5e-4, show_default=True)
 @click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--threshold", type=click.FloatRange(0, 1), default=0.3, show_default=True,
@@ -695,8 +697,8 @@ def bench_adapters(ctx: click.Context, rows: int, adapters: int, rounds: int, ra
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-teams", show_default=True)
 @click.pass_context
 def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per_update: int, group_size: int,
-                max_new_tokens: int, lr: float, lora_rank: int, threshold: float, train_limit: int | None,
-                heldout: int, ignored_reward: float, seed: int, out_dir: str) -> None:
+                max_new_tokens: int, temperature: float, lr: float, lora_rank: int, threshold: float,
+                train_limit: int | None, heldout: int, ignored_reward: float, seed: int, out_dir: str) -> None:
     """Two simulated teams with different quoting conventions: each team's held-out accept rate under a shared
     policy and under its own (trainer/proof/teams.py)."""
     from pathlib import Path
@@ -711,7 +713,8 @@ def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per
     use_torch_threads(settings.torch_threads)
     try:
         config = TeamsConfig(updates=updates, prompts_per_update=prompts_per_update, group_size=group_size,
-                             max_new_tokens=max_new_tokens, lr=lr, lora_rank=lora_rank, threshold=threshold,
+                             max_new_tokens=max_new_tokens, temperature=temperature, lr=lr, lora_rank=lora_rank,
+                             threshold=threshold,
                              train_limit=train_limit, heldout=heldout, max_prompt_tokens=settings.max_prompt_tokens,
                              seed=seed, ignored_reward=ignored_reward)
     except ValueError as exc:

@@ -47,13 +47,15 @@ def test_the_served_tokens_have_ratio_one_under_the_trainer(tiny_model, temperat
         assert ratios == pytest.approx([1.0] * len(ratios), abs=1e-4), (sample.completion_ids, ratios)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_the_offline_sampler_records_what_the_trainer_recomputes(tiny_model, lora):
+@pytest.mark.parametrize("lora,group", [(False, 1), (True, 1), (False, 3)])
+def test_the_offline_sampler_records_what_the_trainer_recomputes(tiny_model, lora, group):
     """``sample_completions`` (KV-cached, prompts of different lengths left-padded) records ratio-1 logprobs.
 
     Offline runs train on what it records; a cache fed the wrong positions or mask would draw from a
     different distribution than the trainer recomputes. With ``lora`` the model is peft-wrapped (what
-    ``--lora`` samples from), whose forward names its cache argument differently.
+    ``--lora`` samples from), whose forward names its cache argument differently. With ``group`` > 1 each
+    prompt comes that many times, as a GRPO/RLOO group asks: it is run through the model once and its cache
+    copied to every repeat, and each copy must still decode as that prompt alone would.
     """
     import torch
 
@@ -62,11 +64,14 @@ def test_the_offline_sampler_records_what_the_trainer_recomputes(tiny_model, lor
     model, tok = load_model(tiny_model)
     trainer = PolicyTrainer(model, tok, UpdateConfig(), full=not lora, seed=0)
     prompts = [tok.encode(t, add_special_tokens=False) for t in
-               ["x =", "def area(r):\n    return 3.14 *", "import os\nimport sys\n\nclass A:\n    def __init__(self"]]
+               ["x =", "def area(r):\n    return 3.14 *", "import os\nimport sys\n\nclass A:\n    def __init__(self"]
+               for _ in range(group)]
     drawn = sample_completions(trainer.model, prompts, max_new_tokens=8, temperature=0.7, top_p=0.9,
                                generator=torch.Generator().manual_seed(1), eos_id=tok.eos_token_id,
                                pad_id=trainer.pad_id)
     assert all(len(ids) == len(lps) >= 1 for ids, lps in drawn)
+    if group > 1:  # the repeats are drawn independently, not copies of one draw
+        assert len({tuple(ids) for ids, _ in drawn}) > len(drawn) // group
     samples = [Sample(p, ids, lps, 0.0, 0.7, 0.9) for p, (ids, lps) in zip(prompts, drawn)]
     for sample, current in zip(samples, trainer.sequence_logprobs(samples)):
         ratios = [math.exp(c - b) for c, b in zip(current, sample.behaviour_logprobs)]

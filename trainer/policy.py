@@ -331,6 +331,20 @@ def kept_logits(logits: torch.Tensor, keep: int, sequence_length: int) -> torch.
                        f"{sequence_length}: it neither honours nor ignores logits_to_keep")
 
 
+def _prefilled(model, prompts: Sequence[Sequence[int]], pad_id: int) -> CachedDecoder:
+    """A decoder holding ``prompts``, each distinct prompt run through the model once: a group of K samples
+    of one prompt (GRPO, RLOO) repeats it K times, and the prefill is most of a short completion's cost."""
+    distinct: dict[tuple[int, ...], int] = {}
+    row_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+    if len(distinct) == len(prompts):
+        return CachedDecoder.for_prompts(model, prompts, pad_id=pad_id)
+    decoder = CachedDecoder.for_prompts(model, list(distinct), pad_id=pad_id)
+    if not decoder.resizable:  # a cache whose rows cannot be copied: prefill every row
+        return CachedDecoder.for_prompts(model, prompts, pad_id=pad_id)
+    decoder.keep(row_of)  # each distinct prompt's row copied into every row that repeats it
+    return decoder
+
+
 @torch.no_grad()
 def sample_completions(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, generator: torch.Generator | None = None, eos_id: int | None = None,
@@ -348,7 +362,7 @@ def sample_completions(model, prompts: Sequence[Sequence[int]], *, max_new_token
     was_training = model.training
     model.eval()
     try:
-        decoder = CachedDecoder.for_prompts(model, prompts, pad_id=pad_id)
+        decoder = _prefilled(model, prompts, pad_id)
         out: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         done = [False] * len(prompts)
         for step in range(max_new_tokens):
