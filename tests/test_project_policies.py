@@ -360,3 +360,39 @@ def test_a_projects_canary_is_judged_on_that_projects_episodes_only(setup):
     assert alpha["metrics"]["canary_baseline_episodes"] == 2.0  # alpha's two, not beta's four
     assert (alpha["metrics"]["canary_candidate_accept_rate"], alpha["metrics"]["canary_baseline_accept_rate"]) == (0.5, 0.0)
     assert decided[2]["project_id"] == ""  # the shared canary is decided on its own
+
+
+@pytest.mark.kafka
+def test_a_projects_rolled_back_version_is_not_trained_on(setup):
+    """Real broker: `tabloop weights rollback --project alpha` rolls back alpha's only version. The trainer,
+    restarted, does not go on from those weights: alpha's policy starts again from the shared policy's serving
+    version, so alpha's next version descends from it (parent 2), not from the rolled-back 1. The shared policy
+    goes on as it was."""
+    from click.testing import CliRunner
+
+    from infra.settings import to_environ
+    from tabloop.cli import main
+    from tests.test_trainer_online import episode, produce, train_once
+    from trainer.online import OnlineTrainer
+    from trainer.weight_store import WeightStore
+
+    settings, topic, tok, base = setup
+    settings = settings.model_copy(update={"project_policies": "alpha", "project_min_episodes": 2})
+    store = WeightStore(settings.effective_weight_store, base)
+    produce(settings, topic, [episode(tok, i, "alpha") for i in range(4)])
+    train_once(settings, topic, max_versions=1)
+    assert [(m.version, m.project_id, m.parent_version) for m in store.manifests()] == [(1, "alpha", 0), (2, "", 0)]
+
+    out = CliRunner().invoke(main, ["weights", "rollback", "--project", "alpha"], env=dict(to_environ(settings)),
+                             catch_exceptions=False)
+    assert out.exit_code == 0 and "serving goes to the shared policy" in out.output, out.output
+    produce(settings, topic, [episode(tok, 10 + i, "alpha", policy_version=2) for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        assert trainer.projects["alpha"].version == 1  # what the shared manifest named at the save
+        trainer.run(max_versions=1)
+        assert trainer.project_serving == {"alpha": 3} and trainer.serving_version == 4  # the new ones, promoted
+    finally:
+        trainer.close()
+    assert [(m.version, m.project_id, m.parent_version) for m in store.manifests()][2:] == [(3, "alpha", 2), (4, "", 2)]
+    assert store.manifest(4).metrics["project_version/alpha"] == 3
