@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -328,6 +329,17 @@ def resolve_model(base, model: str) -> str:
     return model
 
 
+def _stop_cleanly_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM (``kill``, a CI job's timeout) end the bench through its ``finally``, which stops the
+    components and the broker and removes the state dir; by default it ended the process at once and left the
+    broker and the trainer running. Only the main thread can set a handler (elsewhere: nothing changes).
+    Returns what puts the previous handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
 def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
                    log: Callable[[str], None] | None = None) -> dict:
     from tabloop import supervisor as sv
@@ -357,6 +369,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     broker = LocalKafka(settings)
     supervisor = thread = None
     system_log = open(out_dir / "system.log", "w")
+    restore_sigterm = _stop_cleanly_on_sigterm()
     try:
         broker.start()
         ensure_topics(settings)
@@ -424,6 +437,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
         system_log.close()
         if not config.keep_state:
             shutil.rmtree(state_dir, ignore_errors=True)
+        restore_sigterm()
 
     to_policy = feedback_to_policy_s(records)
     first_feedback = min((r["feedback_sent_at"] for r in records if r["feedback_sent_at"]), default=None)

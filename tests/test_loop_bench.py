@@ -100,6 +100,70 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
                                                          if r["error"] is None and r["policy_version"] is not None}
 
 
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live process below ``pid`` -> its start time (a pid reused later has another)."""
+    parents: dict[int, list[int]] = {}
+    started: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+            started[int(entry.name)] = fields[19]
+    out, todo = {}, [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out[child] = started[child]
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int, started: str) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[19] == started and fields[0] != "Z"
+
+
+@pytest.mark.drill
+def test_sigterm_stops_the_benchs_broker_and_components_and_removes_its_state(tiny_model, tmp_path):
+    """`kill` of a running loop bench (or a CI timeout) must not leave its Kafka broker, front door, streams
+    worker, trainer or history sink running, nor its state dir behind."""
+    import re
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TABLOOP_STATE_DIR": str(tmp_path / "base")}
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tabloop.cli", "bench", "loop", "--quick", "--model", tiny_model, "--minutes",
+             "5", "--train-limit", "30", "--heldout", "4", "--exploration-temperature", "1.0",
+             "--out", str(tmp_path / "out")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while "every component healthy" not in log.read_text():  # the users start once every component is up
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the bench's components did not come up:\n" + log.read_text()[-3000:])
+            time.sleep(0.5)
+        state_dir = Path(re.search(r"state (\S+)", log.read_text()).group(1))
+        children = _descendants(proc.pid)
+        assert len(children) >= 5 and state_dir.is_dir()  # the broker and the supervisor's four components
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=180) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30  # a component's own shutdown may end just after the bench
+    while time.monotonic() < deadline and any(_alive(p, s) for p, s in children.items()):
+        time.sleep(0.5)
+    assert not [p for p, s in children.items() if _alive(p, s)]
+    assert not state_dir.exists()
+
+
 def test_versions_to_evaluate_keeps_the_base_and_the_last():
     from tabloop.loop_bench import versions_to_evaluate
 

@@ -219,6 +219,38 @@ def test_the_trainer_runs_its_own_canary_and_decides_it_once(setup):
     assert decisions[0]["metrics"]["canary_baseline_accept_rate"] == 1.0
 
 
+@pytest.mark.kafka
+def test_the_next_version_waits_for_the_running_canarys_decision(setup):
+    """Real broker: a trainer that saves faster than its canary gathers episodes must not replace the canary
+    undecided (then nothing would ever be promoted). Updates go on; the save waits for the decision, and the
+    version saved then holds every update made meanwhile."""
+    from trainer.online import OnlineTrainer
+    from trainer.weight_store import WeightStore
+
+    settings, topic, tok, base = setup
+    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 2})
+    store = WeightStore(settings.effective_weight_store, base)
+    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(max_versions=1)
+        assert trainer.canaries[""].candidate == 1
+        # Two batches of the baseline's episodes, none of the candidate's: two updates, no decision, no save.
+        produce(settings, topic, [episode(tok, 10 + i, "acme") for i in range(8)])
+        trainer.run(idle_exit_s=3)
+        assert trainer.progress.updates == 2 and store.versions() == [1]
+        assert trainer.canaries[""].candidate == 1
+        # The candidate's episodes decide it (as good as the baseline: promoted); the update after them saves.
+        produce(settings, topic, [episode(tok, 20 + i, "acme", policy_version=1) for i in range(4)])
+        trainer.run(max_versions=1)
+    finally:
+        trainer.close()
+    assert store.versions() == [1, 2] and store.manifest(2).episodes_trained == 12  # three updates' episodes
+    records = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base,
+                                              want=3)]
+    assert [(r["version"], r["status"]) for r in records] == [(1, "CANDIDATE"), (1, "PROMOTED"), (2, "CANDIDATE")]
+
+
 def test_without_auto_promote_a_version_waits_as_a_candidate(setup):
     """``TABLOOP_AUTO_PROMOTE=false`` and no canary: the version is announced, and nothing serves it."""
     settings, topic, tok, base = setup

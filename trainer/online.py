@@ -81,6 +81,8 @@ class ProjectPolicy:
     update_metrics: list[dict] = field(default_factory=list)
 
 
+CANARY_WAIT_SAVES = 10
+"""A save waits for a running canary's decision for at most this many saves' worth of updates."""
 PROJECT_VERSION = "project_version/"  # shared manifest metrics: the project versions saved with it
 PROJECT_EPISODES = "project_episodes/"  # ... and each opted-in project's trainable episodes so far
 
@@ -411,10 +413,33 @@ class OnlineTrainer:
         log.info("update %d done: reward %.3f, loss %.4f, kl %.4f, %.0f tokens/s, %.2fs", self.trainer_step,
                  metrics["reward_mean"], metrics["policy_loss"], metrics["approx_kl"], metrics["tokens_per_s"],
                  metrics["update_seconds"])
-        if p.updates >= self.settings.trainer_save_every:
+        if p.updates >= self.settings.trainer_save_every and not self._waiting_for_canary(""):
             self._save_version(consumer)
             return 1
         return 0
+
+    def _waiting_for_canary(self, project: str) -> bool:
+        """Whether a save of ``project``'s policy ("" the shared one) waits for that policy's running canary.
+
+        Announcing the next version replaces the canary, undecided. A trainer that saves faster than the
+        canary gathers its episodes (or that reads a backlog: the canary counts only episodes joined after it
+        started) would replace every canary before its decision, and nothing would ever be promoted. So the
+        updates go on and the save waits, up to ``CANARY_WAIT_SAVES`` saves' worth of updates (a canary that
+        gets no traffic must not keep the trainer's progress unsaved forever).
+        """
+        tally = self.canaries.get(project)
+        if tally is None:
+            return False
+        updates = self.projects[project].updates if project else self.progress.updates
+        if updates >= CANARY_WAIT_SAVES * self.settings.trainer_save_every:
+            log.warning("canary%s: version %d is still undecided after %d updates (%s); saving the next version "
+                        "replaces it", f" of project {project}" if project else "", tally.candidate, updates,
+                        tally.summary())
+            return False
+        if updates == self.settings.trainer_save_every:
+            log.info("canary%s: the next version waits for version %d's decision (%s)",
+                     f" of project {project}" if project else "", tally.candidate, tally.summary())
+        return True
 
     def _update_projects(self, samples: list[Sample], q: Pending) -> None:
         """Each project's own policy trains on that project's samples of the batch (with the same advantages:
@@ -455,7 +480,8 @@ class OnlineTrainer:
         p = self.progress
         # The projects' versions first, the shared one last: its manifest names them, so it is the commit record
         # of the whole save point (module docstring).
-        project_manifests = [self._save_project(own) for own in self.projects.values() if own.updates]
+        project_manifests = [self._save_project(own) for own in self.projects.values()
+                             if own.updates and not self._waiting_for_canary(own.project)]
         averaged = _averaged(p.update_metrics)
         averaged.update({f"baseline_mean/{proj}": mean for proj, mean in self.baseline.means.items()})
         averaged.update({f"baseline_count/{proj}": float(n) for proj, n in self.baseline.counts.items()})
