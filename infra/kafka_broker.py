@@ -113,7 +113,11 @@ class LocalKafka:
         # broker and the storage tool run with the private umask. The events hold users' code.
         private_dir(self.settings.state_dir)
         private_dir(self.dir)
-        self._write_config(controller_port=_free_port(self.host))
+        # Not a port the settings give the front door or the history server: they bind theirs only after the
+        # broker is up, and a port picked in another process (the settings') looks free here until then.
+        s = self.settings
+        self._write_config(controller_port=_free_port(
+            self.host, avoid={self.port, s.completions_port, s.feedback_port, s.history_port}))
         classpath = f"{jars}/*"
         if not (self.data_dir / "meta.properties").exists():
             self._format(java, classpath)
@@ -315,21 +319,21 @@ _handed_out: set[int] = set()
 PORT_FLOOR = 20000  # below it sit the ports developers' own services use (8080, 9092, 5432, ...)
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def _free_port(host: str = "127.0.0.1", avoid: set[int] = frozenset()) -> int:
     """A port nothing holds now, for a server about to bind it.
 
     Binding port 0 and handing that port on (as this did) races the kernel: the port is one of its
     ephemeral ones, which it hands to the next outgoing connection or bind to port 0 of any process, so
     the server's own bind could fail. This picks a random port below the kernel's ephemeral range
     (``ip_local_port_range``), which the kernel never hands out by itself, checks that it binds, and never
-    hands the same one out twice in a process: only another explicit bind of that very port can take it
-    first (callers that can, retry on EADDRINUSE). Where the ephemeral range leaves too little room below
-    it, the old way."""
+    hands the same one out twice in a process, nor one of ``avoid`` (ports another process picked and will
+    bind later): only another explicit bind of that very port can take it first (callers that can, retry on
+    EADDRINUSE). Where the ephemeral range leaves too little room below it, the old way."""
     low = _ephemeral_low()
     candidates = range(PORT_FLOOR, low) if low - PORT_FLOOR >= 1000 else None
     for _ in range(50 if candidates else 0):
         port = random.choice(candidates)
-        if port in _handed_out:
+        if port in _handed_out or port in avoid:
             continue
         with socket.socket() as s:
             try:
