@@ -714,8 +714,8 @@ def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per
     try:
         config = TeamsConfig(updates=updates, prompts_per_update=prompts_per_update, group_size=group_size,
                              max_new_tokens=max_new_tokens, temperature=temperature, lr=lr, lora_rank=lora_rank,
-                             threshold=threshold,
-                             train_limit=train_limit, heldout=heldout, max_prompt_tokens=settings.max_prompt_tokens,
+                             threshold=threshold, train_limit=train_limit, heldout=heldout,
+                             max_prompt_tokens=settings.max_prompt_tokens,
                              seed=seed, ignored_reward=ignored_reward)
     except ValueError as exc:
         raise TabloopError(str(exc)) from None

@@ -100,32 +100,13 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
                                                          if r["error"] is None and r["policy_version"] is not None}
 
 
-def _descendants(pid: int) -> dict[int, str]:
-    """Every live process below ``pid`` -> its start time (a pid reused later has another)."""
-    parents: dict[int, list[int]] = {}
-    started: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents.setdefault(int(fields[1]), []).append(int(entry.name))
-            started[int(entry.name)] = fields[19]
-    out, todo = {}, [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out[child] = started[child]
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int, started: str) -> bool:
+def _start_time(pid: int) -> str | None:
+    """The process's start time from /proc (a pid reused later has another); None: no such live process."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return False
-    return fields[19] == started and fields[0] != "Z"
+        return None
+    return None if fields[0] == "Z" else fields[19]
 
 
 def test_sigterm_ends_the_bench_through_its_cleanup(tmp_path):
@@ -158,13 +139,13 @@ def test_sigterm_ends_the_bench_through_its_cleanup(tmp_path):
                             stdout=subprocess.PIPE, text=True)
     try:
         child = int(proc.stdout.readline())
-        started = _descendants(proc.pid)[child]
+        started = _start_time(child)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert cleaned.read_text() == "cleaned up" and not _alive(child, started)
+    assert started is not None and cleaned.read_text() == "cleaned up" and _start_time(child) != started
 
 
 def test_versions_to_evaluate_keeps_the_base_and_the_last():

@@ -389,7 +389,8 @@ class CachedDecoder:
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (finished ones leave the batch), and drop leading columns that are padding
-        in every row left, so a batch that admits new rows forever does not grow forever."""
+        in every row left, so a batch that admits new rows forever does not grow forever. A row named twice
+        is copied (the offline sampler prefills a group's prompt once and copies it to every sample)."""
         if not self.resizable:
             raise ValueError("rows cannot leave this batch: its cache is not plain key/value tensors")
         index = torch.tensor(rows, dtype=torch.long, device=self._mask.device)
