@@ -118,7 +118,8 @@ def test_canary_rule():
     tally.add(2, "ACCEPTED", 500)  # before the canary started: not counted
     tally.add(3, "ACCEPTED", 2000)  # another version
     tally.add(1, "IGNORED", 2000)  # undecided
-    tally.add(1, "ACCEPTED", 2000)
+    tally.add(1, "ACCEPTED", 2000, completion_id="c1")
+    tally.add(1, "ACCEPTED", 2000, completion_id="c1")  # the same completion from the other reader: once
     assert tally.summary() == {"canary_candidate_episodes": 2.0, "canary_candidate_accept_rate": 0.5,
                                "canary_baseline_episodes": 1.0, "canary_baseline_accept_rate": 1.0}
     assert tally.decide(min_episodes=1, margin=0.1) == "ROLLED_BACK"

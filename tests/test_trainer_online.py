@@ -251,6 +251,45 @@ def test_the_next_version_waits_for_the_running_canarys_decision(setup):
     assert [(r["version"], r["status"]) for r in records] == [(1, "CANDIDATE"), (1, "PROMOTED"), (2, "CANDIDATE")]
 
 
+def test_a_canary_is_decided_from_the_head_of_the_topic_not_the_trainers_read_position(setup):
+    """Real broker: the canary's episodes decide it although the trainer's own consumer has not read them (as when
+    it trains slower than the traffic comes, or works through a backlog): its canary feed reads from the
+    canary's start. An episode both readers bring counts once."""
+    from trainer.canary_feed import CanaryFeed
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 3})
+    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(max_versions=1)
+        tally = trainer.canaries[""]
+        # Episodes from before the canary started are not its: the feed seeks past them (or the tally drops them).
+        produce(settings, topic, [episode(tok, 10 + i, "acme", policy_version=1) for i in range(3)]
+                + [episode(tok, 20 + i, "acme", policy_version=0, accepted=i == 0) for i in range(3)])
+        trainer.canary_feed = CanaryFeed(settings, topic, trainer.group_id)
+
+        def decided() -> bool:
+            trainer._read_canary_feed()
+            return "" not in trainer.canaries
+
+        wait(decided, 60, "the canary decided from its feed", poll_s=0.1)
+        assert trainer.progress.consumed == 0, "the trainer's own consumer read on"
+        # The same episodes again, from the trainer's consumer: a tally counts a completion once.
+        for i in range(3):
+            tally.add(1, "ACCEPTED", tally.since_ms, completion_id=f"cmpl-acme-{10 + i}")
+        assert tally.total == {1: 3, 0: 3}
+    finally:
+        if trainer.canary_feed is not None:
+            trainer.canary_feed.close()
+        trainer.close()
+    decisions = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base
+                                                and e.record["version"] == 1 and e.record["status"] != "CANDIDATE")]
+    assert [d["status"] for d in decisions] == ["PROMOTED"]  # 3 of 3 accepted against 1 of 3
+    assert decisions[0]["metrics"]["canary_candidate_episodes"] == 3.0
+
+
 def test_without_auto_promote_a_version_waits_as_a_candidate(setup):
     """``TABLOOP_AUTO_PROMOTE=false`` and no canary: the version is announced, and nothing serves it."""
     settings, topic, tok, base = setup

@@ -46,6 +46,7 @@ from infra.bus import EventProducer, decode_message, make_codec
 from infra.settings import Settings
 from schemas.topics import EPISODES, WEIGHTS
 from trainer.canary import BASELINE_VERSION, CANARY_SHARE, CanaryTally
+from trainer.canary_feed import CanaryFeed
 from trainer.episodes import drop_reason, episode_sample, episode_sampler
 from trainer.gate import OPE_PREFIX, GateDecision, estimate_metrics, gate_decision, gate_reward, in_gate_holdout
 from trainer.losses import BaselineState, baseline_advantages
@@ -162,6 +163,8 @@ class OnlineTrainer:
         self.version_project: dict[int, str] = {}
         self.canaries: dict[str, CanaryTally] = {}
         """project ("" the shared policy) -> its running canary."""
+        self.canary_feed: CanaryFeed | None = None
+        """While ``run`` runs: the canaries' reader at the head of the topic (trainer/canary_feed.py)."""
         # Episodes held out of training for the promotion gate (trainer/gate.py), newest last. Not kept across
         # restarts: after one, the gate waits for new held-out episodes before it lets a version out.
         self.gate_episodes: deque[dict] = deque(maxlen=settings.promote_gate_episodes)
@@ -273,6 +276,7 @@ class OnlineTrainer:
         self._refresh_canary()
         self._follow_rollbacks()
         episodes, weights = self._make_consumers()
+        self.canary_feed = CanaryFeed(self.settings, self.topic, self.group_id)
         published = 0
         last_activity = time.monotonic()
         try:
@@ -282,6 +286,8 @@ class OnlineTrainer:
                             and self._new_weight_record(r.event.record):
                         self._refresh_canary()
                         self._follow_rollbacks()
+                if self._read_canary_feed():
+                    last_activity = time.monotonic()
                 batch = episodes.consume(500, 1.0)
                 for m in batch:
                     received = decode_message(self.codec, m)
@@ -306,6 +312,8 @@ class OnlineTrainer:
         finally:
             episodes.close()
             weights.close()
+            self.canary_feed.close()
+            self.canary_feed = None
 
     def _new_weight_record(self, record: dict) -> bool:
         """Keep a WeightVersion record unless it is one already kept. The weights consumer reads the topic
@@ -359,9 +367,8 @@ class OnlineTrainer:
                       received.error)
             return
         ep = received.event.record
-        joined, project = ep["joined_at"], ep["project_id"]
-        for tally in self.canaries.values():
-            tally.add(ep["policy_version"], ep["outcome"], int(joined.timestamp() * 1000), project)
+        project = ep["project_id"]
+        self._count_for_canaries(ep)
         if self.settings.promote_gate != "none" and in_gate_holdout(ep["completion_id"],
                                                                    self.settings.promote_gate_share):
             self.gate_episodes.append(ep)
@@ -413,6 +420,7 @@ class OnlineTrainer:
         log.info("update %d done: reward %.3f, loss %.4f, kl %.4f, %.0f tokens/s, %.2fs", self.trainer_step,
                  metrics["reward_mean"], metrics["policy_loss"], metrics["approx_kl"], metrics["tokens_per_s"],
                  metrics["update_seconds"])
+        self._read_canary_feed()  # an update takes seconds: the canary's episodes may have come meanwhile
         if p.updates >= self.settings.trainer_save_every and not self._waiting_for_canary(""):
             self._save_version(consumer)
             return 1
@@ -620,6 +628,27 @@ class OnlineTrainer:
                 log.info("canary%s: version %d serves %.0f%% of requests, compared with version %d",
                          f" of project {project}" if project else "", newest.version,
                          100 * newest.metrics[CANARY_SHARE], baseline)
+
+    def _count_for_canaries(self, ep: dict) -> None:
+        for tally in self.canaries.values():
+            tally.add(ep["policy_version"], ep["outcome"], int(ep["joined_at"].timestamp() * 1000), ep["project_id"],
+                      ep["completion_id"])
+
+    def _read_canary_feed(self) -> bool:
+        """Count what the canaries' reader brought (it follows the oldest running canary's start) and judge.
+        Whether it brought anything."""
+        feed = self.canary_feed
+        if feed is None:
+            return False
+        feed.follow(min((t.since_ms for t in self.canaries.values()), default=None))
+        messages = feed.poll()
+        for m in messages:
+            received = decode_message(self.codec, m)
+            if received is not None and received.event is not None:
+                self._count_for_canaries(received.event.record)
+        if messages:
+            self._judge_canary()
+        return bool(messages)
 
     def _judge_canary(self) -> None:
         for project, tally in list(self.canaries.items()):
