@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from schemas.events import new_event
-from trainer.gate import GateDecision, estimate_metrics, gate_decision, in_gate_holdout
+from trainer.gate import GateDecision, HeldOutPool, estimate_metrics, gate_decision, in_gate_holdout
 
 
 def test_the_holdout_is_a_stable_share_of_completion_ids():
@@ -19,6 +19,14 @@ def test_the_holdout_is_a_stable_share_of_completion_ids():
     assert held == [i for i in ids if in_gate_holdout(i, 0.1)]  # the same on every replay
     # A larger share holds out a superset: raising it never puts a held-out episode back into training.
     assert set(held) <= {i for i in ids if in_gate_holdout(i, 0.3)}
+
+
+def test_the_held_out_pool_keeps_the_newest_episodes_each_once():
+    pool = HeldOutPool(3)
+    assert [pool.add({"completion_id": c}) for c in "abcb"] == [True, True, True, False]  # b from the other reader
+    assert pool.add({"completion_id": "d"})  # a, the oldest, goes
+    assert [e["completion_id"] for e in pool] == ["b", "c", "d"] and len(pool) == 3
+    assert pool.add({"completion_id": "a"})  # gone, so kept again as the newest
 
 
 def test_the_gate_needs_enough_episodes_and_a_lower_bound_above_the_serving_reward():

@@ -68,11 +68,12 @@ def test_the_gate_lets_out_only_a_version_the_held_out_log_favours(setup, held_o
     train_once(settings, topic, max_versions=1)
     [record] = _announced(settings, base)
     m = record["metrics"]
-    # The held-out episodes were kept out of training and counted as such in the manifest.
+    # The held-out episodes were kept out of training and counted as such in the manifest. The gate judged on
+    # those and on any the head feed brought beyond the trainer's read position (trainer/head_feed.py).
     from trainer.weight_store import WeightStore
 
     manifest = WeightStore(settings.effective_weight_store, base).manifest(1)
-    assert manifest.episodes_dropped["gate_holdout"] == m["ope_held_out"] >= 10
+    assert 10 <= manifest.episodes_dropped["gate_holdout"] <= m["ope_held_out"] <= held
     assert manifest.episodes_trained == 32
     assert m["ope_serving_version"] == 0.0 and m["ope_episodes"] == m["ope_held_out"]
     assert m["ope_serving_reward_mean"] == pytest.approx(0.25, abs=0.1)  # half A, half B
@@ -108,3 +109,35 @@ def test_in_shadow_the_verdict_is_published_and_nothing_is_held_back(setup):
     m = record["metrics"]
     assert (record["status"], m["ope_gate_passed"]) == ("PROMOTED", 0.0), "shadow must not hold a version back"
     assert m["ope_reward_mean_dr"] < m["ope_serving_reward_mean"]
+
+
+def test_the_gates_pool_is_fed_from_the_head_of_the_topic(setup):
+    """Real broker: held-out episodes reach the gate's pool although the trainer's own consumer has not read them
+    (a trainer behind the traffic would otherwise judge the next version without the serving version's newest
+    episodes: right after a canary promotes it, it has none). Episodes already kept are not kept twice."""
+    from tests.system_helpers import wait
+    from trainer.head_feed import HeadFeed
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    settings = _gate_settings(settings)
+    trainer = OnlineTrainer(settings, topic=topic)
+    trainer.head_feed = HeadFeed(settings, topic, trainer.group_id)
+    try:
+        trainer._read_head_feed()  # no canary: the gate on, so it reads from the head
+        events, held = _episodes(tok, base, 12, held_out_accepts_a=True)
+        produce(settings, topic, events)
+
+        def kept() -> int:
+            trainer._read_head_feed()
+            return len(trainer.gate_episodes) >= held
+
+        wait(kept, 60, f"{held} held-out episodes in the gate's pool", poll_s=0.1)
+        held_out = [e.record for e in events if in_gate_holdout(e.record["completion_id"], SHARE)]
+        assert sorted(ep["completion_id"] for ep in trainer.gate_episodes) == sorted(
+            r["completion_id"] for r in held_out)
+        assert trainer.progress.consumed == 0, "the trainer's own consumer read them"
+        assert not trainer.gate_episodes.add(held_out[0])  # as when the trainer's consumer brings it later
+    finally:
+        trainer.head_feed.close()
+        trainer.close()

@@ -255,7 +255,7 @@ def test_a_canary_is_decided_from_the_head_of_the_topic_not_the_trainers_read_po
     """Real broker: the canary's episodes decide it although the trainer's own consumer has not read them (as when
     it trains slower than the traffic comes, or works through a backlog): its canary feed reads from the
     canary's start. An episode both readers bring counts once."""
-    from trainer.canary_feed import CanaryFeed
+    from trainer.head_feed import HeadFeed
     from trainer.online import OnlineTrainer
 
     settings, topic, tok, base = setup
@@ -268,10 +268,10 @@ def test_a_canary_is_decided_from_the_head_of_the_topic_not_the_trainers_read_po
         # Episodes from before the canary started are not its: the feed seeks past them (or the tally drops them).
         produce(settings, topic, [episode(tok, 10 + i, "acme", policy_version=1) for i in range(3)]
                 + [episode(tok, 20 + i, "acme", policy_version=0, accepted=i == 0) for i in range(3)])
-        trainer.canary_feed = CanaryFeed(settings, topic, trainer.group_id)
+        trainer.head_feed = HeadFeed(settings, topic, trainer.group_id)
 
         def decided() -> bool:
-            trainer._read_canary_feed()
+            trainer._read_head_feed()
             return "" not in trainer.canaries
 
         wait(decided, 60, "the canary decided from its feed", poll_s=0.1)
@@ -281,8 +281,8 @@ def test_a_canary_is_decided_from_the_head_of_the_topic_not_the_trainers_read_po
             tally.add(1, "ACCEPTED", tally.since_ms, completion_id=f"cmpl-acme-{10 + i}")
         assert tally.total == {1: 3, 0: 3}
     finally:
-        if trainer.canary_feed is not None:
-            trainer.canary_feed.close()
+        if trainer.head_feed is not None:
+            trainer.head_feed.close()
         trainer.close()
     decisions = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base
                                                 and e.record["version"] == 1 and e.record["status"] != "CANDIDATE")]

@@ -45,7 +45,7 @@ class CanaryTally:
     """A project's canary counts that project's episodes only (its baseline may be the shared version, which
     other projects are served too); "" the shared policy's canary."""
     counted: set[str] = field(default_factory=set)
-    """The completions counted: two readers feed a tally (trainer/canary_feed.py), each episode counts once."""
+    """The completions counted: two readers feed a tally (trainer/head_feed.py), each episode counts once."""
 
     def add(self, policy_version: int | None, outcome: str, joined_at_ms: int, project: str = "",
             completion_id: str | None = None) -> None:

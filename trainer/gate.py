@@ -20,6 +20,8 @@ history's ``version_estimates`` view lists them beside what a canary later measu
 from __future__ import annotations
 
 import hashlib
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 OPE_PREFIX = "ope_"
@@ -30,6 +32,31 @@ def in_gate_holdout(completion_id: str, share: float) -> bool:
     replay and in every process (a hash, not a random draw)."""
     digest = hashlib.sha256(completion_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2 ** 64 < share
+
+
+class HeldOutPool:
+    """The newest ``size`` held-out episodes, each once: two readers bring them (trainer/head_feed.py)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._episodes: deque[dict] = deque()
+        self._ids: set[str] = set()
+
+    def add(self, episode: dict) -> bool:
+        """Keep ``episode`` (dropping the oldest past ``size``) unless it is kept already; whether it was new."""
+        if episode["completion_id"] in self._ids:
+            return False
+        self._episodes.append(episode)
+        self._ids.add(episode["completion_id"])
+        if len(self._episodes) > self.size:
+            self._ids.discard(self._episodes.popleft()["completion_id"])
+        return True
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self._episodes)
+
+    def __len__(self) -> int:
+        return len(self._episodes)
 
 
 @dataclass(frozen=True)

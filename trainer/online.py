@@ -36,7 +36,6 @@ import logging
 import threading
 import time
 from bisect import bisect_right
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,9 +45,10 @@ from infra.bus import EventProducer, decode_message, make_codec
 from infra.settings import Settings
 from schemas.topics import EPISODES, WEIGHTS
 from trainer.canary import BASELINE_VERSION, CANARY_SHARE, CanaryTally
-from trainer.canary_feed import CanaryFeed
 from trainer.episodes import drop_reason, episode_sample, episode_sampler
-from trainer.gate import OPE_PREFIX, GateDecision, estimate_metrics, gate_decision, gate_reward, in_gate_holdout
+from trainer.gate import (OPE_PREFIX, GateDecision, HeldOutPool, estimate_metrics, gate_decision, gate_reward,
+                          in_gate_holdout)
+from trainer.head_feed import HeadFeed
 from trainer.losses import BaselineState, baseline_advantages
 from trainer.policy import PolicyTrainer, Sample, UpdateConfig, describe_device
 from trainer.weight_store import (Manifest, WeightStore, base_version_event, fold_statuses, promoted_version,
@@ -163,11 +163,12 @@ class OnlineTrainer:
         self.version_project: dict[int, str] = {}
         self.canaries: dict[str, CanaryTally] = {}
         """project ("" the shared policy) -> its running canary."""
-        self.canary_feed: CanaryFeed | None = None
-        """While ``run`` runs: the canaries' reader at the head of the topic (trainer/canary_feed.py)."""
+        self.head_feed: HeadFeed | None = None
+        """While ``run`` runs: the reader at the head of the topic, for the canaries and the gate
+        (trainer/head_feed.py)."""
         # Episodes held out of training for the promotion gate (trainer/gate.py), newest last. Not kept across
         # restarts: after one, the gate waits for new held-out episodes before it lets a version out.
-        self.gate_episodes: deque[dict] = deque(maxlen=settings.promote_gate_episodes)
+        self.gate_episodes = HeldOutPool(settings.promote_gate_episodes)
         self.writer = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -276,7 +277,7 @@ class OnlineTrainer:
         self._refresh_canary()
         self._follow_rollbacks()
         episodes, weights = self._make_consumers()
-        self.canary_feed = CanaryFeed(self.settings, self.topic, self.group_id)
+        self.head_feed = HeadFeed(self.settings, self.topic, self.group_id)
         published = 0
         last_activity = time.monotonic()
         try:
@@ -286,7 +287,7 @@ class OnlineTrainer:
                             and self._new_weight_record(r.event.record):
                         self._refresh_canary()
                         self._follow_rollbacks()
-                if self._read_canary_feed():
+                if self._read_head_feed():
                     last_activity = time.monotonic()
                 batch = episodes.consume(500, 1.0)
                 for m in batch:
@@ -312,8 +313,8 @@ class OnlineTrainer:
         finally:
             episodes.close()
             weights.close()
-            self.canary_feed.close()
-            self.canary_feed = None
+            self.head_feed.close()
+            self.head_feed = None
 
     def _new_weight_record(self, record: dict) -> bool:
         """Keep a WeightVersion record unless it is one already kept. The weights consumer reads the topic
@@ -369,9 +370,8 @@ class OnlineTrainer:
         ep = received.event.record
         project = ep["project_id"]
         self._count_for_canaries(ep)
-        if self.settings.promote_gate != "none" and in_gate_holdout(ep["completion_id"],
-                                                                   self.settings.promote_gate_share):
-            self.gate_episodes.append(ep)
+        if self._held_out(ep):
+            self.gate_episodes.add(ep)
             p.dropped["gate_holdout"] = p.dropped.get("gate_holdout", 0) + 1
             return
         reason = drop_reason(ep, self.version, self.settings.trainer_max_staleness,
@@ -420,7 +420,7 @@ class OnlineTrainer:
         log.info("update %d done: reward %.3f, loss %.4f, kl %.4f, %.0f tokens/s, %.2fs", self.trainer_step,
                  metrics["reward_mean"], metrics["policy_loss"], metrics["approx_kl"], metrics["tokens_per_s"],
                  metrics["update_seconds"])
-        self._read_canary_feed()  # an update takes seconds: the canary's episodes may have come meanwhile
+        self._read_head_feed()  # an update takes seconds: a canary's episodes may have come meanwhile
         if p.updates >= self.settings.trainer_save_every and not self._waiting_for_canary(""):
             self._save_version(consumer)
             return 1
@@ -634,18 +634,28 @@ class OnlineTrainer:
             tally.add(ep["policy_version"], ep["outcome"], int(ep["joined_at"].timestamp() * 1000), ep["project_id"],
                       ep["completion_id"])
 
-    def _read_canary_feed(self) -> bool:
-        """Count what the canaries' reader brought (it follows the oldest running canary's start) and judge.
+    def _held_out(self, ep: dict) -> bool:
+        """Whether the gate holds this episode out of training (trainer/gate.py)."""
+        return self.settings.promote_gate != "none" and in_gate_holdout(ep["completion_id"],
+                                                                        self.settings.promote_gate_share)
+
+    def _read_head_feed(self) -> bool:
+        """Count what the head reader brought for the canaries (it follows the oldest running canary's start,
+        else the head while the gate is on), keep its held-out episodes for the gate, and judge the canaries.
         Whether it brought anything."""
-        feed = self.canary_feed
+        feed = self.head_feed
         if feed is None:
             return False
-        feed.follow(min((t.since_ms for t in self.canaries.values()), default=None))
+        feed.follow(min((t.since_ms for t in self.canaries.values()), default=None),
+                    at_head=self.settings.promote_gate != "none")
         messages = feed.poll()
         for m in messages:
             received = decode_message(self.codec, m)
             if received is not None and received.event is not None:
-                self._count_for_canaries(received.event.record)
+                ep = received.event.record
+                self._count_for_canaries(ep)
+                if self._held_out(ep):
+                    self.gate_episodes.add(ep)
         if messages:
             self._judge_canary()
         return bool(messages)
