@@ -8,7 +8,7 @@ import random
 import pytest
 
 from trainer.ope import (Interval, LoggedOutcome, doubly_robust_reward, effective_sample_size, estimate,
-                         fit_shown_reward, importance_weights, ratio_estimate, z_score)
+                         fit_shown_reward, importance_weights, ratio_estimate, wilson_interval, z_score)
 
 
 def outcome(log_ratio: float, shown: bool, accepted: bool, reward: float, abstain: float = 0.0) -> LoggedOutcome:
@@ -38,13 +38,27 @@ def test_ratio_estimate_by_hand():
     assert got == Interval(pytest.approx(0.75), pytest.approx(0.75 - 1.6448536 * sd),
                            pytest.approx(0.75 + 1.6448536 * sd))
     assert ratio_estimate([1, 1], [0, 0], [0, 0]) is None
-    clamped = ratio_estimate([1, 1], [1, 1], [1, 1], bounds=(0, 1))
-    assert (clamped.value, clamped.low, clamped.high) == (1.0, 1.0, 1.0)
     with pytest.raises(ValueError):
         ratio_estimate([1], [1, 1], [1])
     assert z_score(0.9) == pytest.approx(1.6448536)
     with pytest.raises(ValueError, match="level"):
         z_score(1.0)
+
+
+def test_a_rate_gets_a_wilson_interval_at_its_effective_number_of_episodes():
+    z = 1.6448536
+    # Equal weights: the textbook Wilson interval. 3 of 10 at 90 %: centre (0.3 + z²/20) / (1 + z²/10), half
+    # z / (1 + z²/10) · sqrt(0.3·0.7/10 + z²/400).
+    got = ratio_estimate([1] * 10, [1, 1, 1] + [0] * 7, [1] * 10, level=0.9, rate=True)
+    assert (got.value, got.low, got.high) == (pytest.approx(0.3), pytest.approx(0.12687, abs=1e-4),
+                                              pytest.approx(0.55831, abs=1e-4))
+    # No accept in 25 shown: not the delta method's [0, 0] but [0, z²/(25 + z²)].
+    none = ratio_estimate([1] * 25, [0] * 25, [1] * 25, level=0.9, rate=True)
+    assert (none.value, none.low, none.high) == (0.0, 0.0, pytest.approx(z * z / (25 + z * z)))
+    # Unequal weights: n is the smaller of Kish's (Σw)²/Σw² = 16/6 and R(1−R)/var = 0.1875 / (0.875/16).
+    weighted = ratio_estimate([2, 1, 1], [1, 0, 1], [1, 1, 1], level=0.9, rate=True)
+    assert weighted == wilson_interval(0.75, 16 / 6, z_score(0.9))
+    assert wilson_interval(1.0, 2, z).high == 1.0 and wilson_interval(1.0, 2, z).low < 1.0  # inside [0, 1]
 
 
 def test_evaluating_the_behaviour_itself_gives_the_logged_rates():

@@ -17,7 +17,13 @@ its own. Clipping trades a bias towards the behaviour policy for bounded varianc
 the log says little about it.
 
 Intervals come from the delta method's normal approximation of a ratio estimator,
-var(Σ w y / Σ w x) ≈ Σ w_i² (y_i − R·x_i)² / (Σ w_i x_i)², two-sided at ``level``. Rates are clamped to [0, 1].
+var(Σ w y / Σ w x) ≈ Σ w_i² (y_i − R·x_i)² / (Σ w_i x_i)², two-sided at ``level``. A rate (an accept rate,
+a share: 0/1 outcomes) gets a Wilson score interval instead, at an effective number of episodes n: the
+smaller of the Kish size of the weighted denominators, (Σ w x)² / Σ (w x)², and the design-effect size
+R(1 − R) / var. The normal interval is zero-wide when no episode was accepted: 0 accepts in 25 shown gave
+[0, 0], while 1 accept in 60 is entirely plausible at such a rate (seen on the whole loop,
+docs/ope-vs-canary/). Wilson's gives [0, 0.098] there and stays inside [0, 1]; with equal weights it is the
+textbook binomial interval.
 
 ``tests/test_ope.py`` checks each by hand.
 """
@@ -73,8 +79,9 @@ def z_score(level: float) -> float:
 
 
 def ratio_estimate(weights: Sequence[float], numerators: Sequence[float], denominators: Sequence[float], *,
-                   level: float = 0.9, bounds: tuple[float, float] | None = None) -> Interval | None:
-    """R = Σ w·y / Σ w·x with its delta-method interval; None when Σ w·x is 0 (nothing to divide by)."""
+                   level: float = 0.9, rate: bool = False) -> Interval | None:
+    """R = Σ w·y / Σ w·x with its delta-method interval, or for a ``rate`` (y and x 0 or 1) a Wilson score
+    interval at an effective number of episodes (module doc); None when Σ w·x is 0 (nothing to divide by)."""
     if not len(weights) == len(numerators) == len(denominators):
         raise ValueError(f"{len(weights)} weights, {len(numerators)} numerators, {len(denominators)} denominators")
     below = sum(w * x for w, x in zip(weights, denominators))
@@ -82,11 +89,22 @@ def ratio_estimate(weights: Sequence[float], numerators: Sequence[float], denomi
         return None
     ratio = sum(w * y for w, y in zip(weights, numerators)) / below
     variance = sum((w * (y - ratio * x)) ** 2 for w, y, x in zip(weights, numerators, denominators)) / below ** 2
-    half = z_score(level) * math.sqrt(variance)
-    low, high = ratio - half, ratio + half
-    if bounds is not None:
-        low, high = max(bounds[0], low), min(bounds[1], high)
-    return Interval(ratio, low, high)
+    z = z_score(level)
+    if not rate:
+        half = z * math.sqrt(variance)
+        return Interval(ratio, ratio - half, ratio + half)
+    n = below ** 2 / sum((w * x) ** 2 for w, x in zip(weights, denominators))  # Kish
+    if 0 < ratio < 1 and variance > 0:
+        n = min(n, ratio * (1 - ratio) / variance)  # the design effect of weights that go with the outcome
+    return wilson_interval(ratio, n, z)
+
+
+def wilson_interval(rate: float, n: float, z: float) -> Interval:
+    """The Wilson score interval of a proportion ``rate`` observed on ``n`` (possibly effective) trials."""
+    shrink = 1 + z * z / n
+    centre = (rate + z * z / (2 * n)) / shrink
+    half = z / shrink * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n))
+    return Interval(rate, max(0.0, centre - half), min(1.0, centre + half))
 
 
 def fit_shown_reward(abstain_probs: Sequence[float], rewards: Sequence[float]) -> tuple[float, float]:
@@ -165,8 +183,8 @@ def estimate(outcomes: Sequence[LoggedOutcome], *, clip: float = 10.0, level: fl
         episodes=len(outcomes),
         effective_sample_size=effective_sample_size(weights),
         clipped_share=clipped / len(outcomes) if outcomes else 0.0,
-        accept_rate_shown=ratio_estimate(weights, accepted, shown, level=level, bounds=(0.0, 1.0)),
-        shown_share=ratio_estimate(weights, shown, ones, level=level, bounds=(0.0, 1.0)),
+        accept_rate_shown=ratio_estimate(weights, accepted, shown, level=level, rate=True),
+        shown_share=ratio_estimate(weights, shown, ones, level=level, rate=True),
         reward_mean=ratio_estimate(weights, [o.reward for o in outcomes], ones, level=level),
         reward_mean_dr=doubly_robust_reward(outcomes, weights, ignored_reward=ignored_reward, level=level),
     )
