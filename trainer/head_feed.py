@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from infra.settings import Settings
 
@@ -34,6 +34,8 @@ log = logging.getLogger("tabloop.trainer")
 SEEK_SLACK_MS = 60_000
 """Seek this long before a canary's start: an episode's timestamp is its joined_at, set on the streams
 worker's clock; the tally's own time filter does the exact cut."""
+RETRY_S = 10.0
+"""After a failed seek (the broker down), try again this much later: the trainer's loop goes on meanwhile."""
 
 
 class HeadFeed:
@@ -45,6 +47,7 @@ class HeadFeed:
         """Every episode joined from this time on has been or will be read (None: not reading)."""
         self.consumer = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": f"{group_id}-head",
                                   "enable.auto.commit": False, "log_level": 3})
+        self._retry_at = 0.0
 
     def follow(self, since_ms: int | None, *, at_head: bool) -> None:
         """Make sure every episode joined from ``since_ms`` on is read (the oldest running canary's start);
@@ -60,19 +63,33 @@ class HeadFeed:
             return
         if self.covered_from_ms is not None and (since_ms is None or since_ms >= self.covered_from_ms):
             return
+        if time.monotonic() < self._retry_at:
+            return
         if since_ms is None:  # the head: what was joined from now on (by time, so nothing in flight is missed)
             since_ms = int(time.time() * 1000)
-        partitions = sorted(self.consumer.list_topics(self.topic, timeout=10).topics[self.topic].partitions)
-        # The end offsets first: where the time lookup finds no episode that late (-1), every episode from
-        # there on came after it, and OFFSET_END, resolved later, could skip one produced meanwhile.
-        ends = {p: self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)[1]
-                for p in partitions}
-        wanted = [TopicPartition(self.topic, p, max(0, since_ms - SEEK_SLACK_MS)) for p in partitions]
-        starts = [TopicPartition(self.topic, tp.partition, tp.offset if tp.offset >= 0 else ends[tp.partition])
-                  for tp in self.consumer.offsets_for_times(wanted, timeout=10)]
+        try:
+            starts = self._starts(since_ms)
+        except KafkaException as exc:  # the position stays as it was; the canaries wait, nothing is lost
+            log.warning("head feed: cannot seek %s (%s); trying again in %.0f s", self.topic, exc, RETRY_S)
+            self._retry_at = time.monotonic() + RETRY_S
+            return
         self.covered_from_ms = since_ms
         self.consumer.assign(starts)
         log.info("head feed: reading %s from %s", self.topic, {tp.partition: tp.offset for tp in starts})
+
+    def _starts(self, since_ms: int) -> list[TopicPartition]:
+        """Each partition's first offset at or after ``since_ms`` less the slack."""
+        metadata = self.consumer.list_topics(self.topic, timeout=5).topics[self.topic]
+        if metadata.error is not None:
+            raise KafkaException(metadata.error)
+        partitions = sorted(metadata.partitions)
+        # The end offsets first: where the time lookup finds no episode that late (-1), every episode from
+        # there on came after it, and OFFSET_END, resolved later, could skip one produced meanwhile.
+        ends = {p: self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=5)[1]
+                for p in partitions}
+        wanted = [TopicPartition(self.topic, p, max(0, since_ms - SEEK_SLACK_MS)) for p in partitions]
+        return [TopicPartition(self.topic, tp.partition, tp.offset if tp.offset >= 0 else ends[tp.partition])
+                for tp in self.consumer.offsets_for_times(wanted, timeout=5)]
 
     def poll(self, max_messages: int = 500) -> list:
         """What has arrived (no wait), while reading; the messages with errors left out."""
