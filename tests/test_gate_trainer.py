@@ -128,7 +128,7 @@ def test_the_gates_pool_is_fed_from_the_head_of_the_topic(setup):
         events, held = _episodes(tok, base, 12, held_out_accepts_a=True)
         produce(settings, topic, events)
 
-        def kept() -> int:
+        def kept() -> bool:
             trainer._read_head_feed()
             return len(trainer.gate_episodes) >= held
 
