@@ -271,12 +271,19 @@ def test_failed_kafka_questions_get_a_fresh_probe_process_and_no_hung_restart(ka
 
 @pytest.mark.drill
 def test_up_serves_learns_restarts_and_down_leaves_nothing(tiny_model, tmp_path):
+    """The whole system with the tiny model: up, a second `up` from another environment reports the first,
+    a completion and its feedback become an episode, crashed components come back, down leaves nothing. (One
+    system for all of it: each start of the whole system costs the drills' budget minutes.)"""
     # The tiny model: with none configured `up` first pretrains the demo model for 8 minutes, which ate this
     # test's whole 600 s (the README's fresh-clone `make up` is where that path was checked).
+    from serving.auth import KeyStore
+    from tests.test_file_modes import loose
+
     state = tmp_path / "state"
     settings = make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}", completions_port=free_port(),
                              feedback_port=free_port(), history_port=free_port(), topic_partitions=TEST_PARTITIONS,
                              model=tiny_model)  # no default port: a developer's `tabloop up` may hold it
+    caller = settings.model_copy(update={"serve_host": "0.0.0.0", "auth": "open", "completions_port": free_port()})
     try:
         up = _cli(settings, "up", timeout=300)  # inside the test's 600 s, with time left for the rest
         assert up.returncode == 0, up.stdout + up.stderr
@@ -284,6 +291,17 @@ def test_up_serves_learns_restarts_and_down_leaves_nothing(tiny_model, tmp_path)
         assert f"apiBase: http://127.0.0.1:{settings.completions_port}/v1" in up.stdout
         assert f"completionTrackingUrl: http://127.0.0.1:{settings.feedback_port}/api/training/submit" in up.stdout
         assert f"destination: http://127.0.0.1:{settings.feedback_port}/api/continue/events" in up.stdout
+        token = (state / "history.token").read_text().strip()
+        assert f"dashboard http://127.0.0.1:{settings.history_port}/#token={token}" in up.stdout
+
+        # A second `up`, from an environment that names other addresses: it reports the running system's own
+        # addresses (from its supervisor's status) and makes no second key.
+        again = _cli(caller, "up", timeout=120)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "tabloop is already running" in again.stdout
+        assert f"apiBase: http://127.0.0.1:{settings.completions_port}/v1" in again.stdout
+        assert "0.0.0.0" not in again.stdout and "unused-in-open-mode" not in again.stdout
+        assert re.search(r"tlk_", again.stdout) is None and len(KeyStore(settings.keys_file).list()) == 1
 
         status = _status(settings)
         assert status["healthy"] and status["running"]
@@ -333,6 +351,11 @@ def test_up_serves_learns_restarts_and_down_leaves_nothing(tiny_model, tmp_path)
 
         pids = [_row(_status(settings), n)["pid"] for n in ("kafka", "serve", "streams")]
         assert all(pids) and _processes_of(state)
+        # Secrets stay secret on the whole running system: nothing under the state dir is open to others, and
+        # no log holds the dashboard token.
+        assert loose(state) == {}
+        for log_file in (state / "logs").glob("*.log"):
+            assert token not in log_file.read_text(errors="replace"), log_file
     finally:
         down = _cli(settings, "down", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr

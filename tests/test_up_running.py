@@ -17,7 +17,7 @@ from infra.kafka_broker import free_port
 from infra.local import KEY_PLACEHOLDER, client_host, endpoints
 from infra.settings import to_environ
 from serving.auth import KeyStore
-from tests.conftest import TEST_PARTITIONS, make_settings
+from tests.conftest import make_settings
 from tests.system_helpers import cli as _cli
 from tests.system_helpers import processes_of as _processes_of
 from tests.system_helpers import wait as _wait
@@ -96,47 +96,6 @@ def test_up_new_key_on_a_running_system_makes_one_key_for_it(running):
     [principal] = KeyStore(settings.keys_file).list()
     assert principal.project_id == "local"
     assert KeyStore(settings.keys_file).verify(key).key_id == principal.key_id
-
-
-@pytest.mark.drill
-def test_up_twice_then_down(tiny_model, tmp_path):
-    """The whole system with the tiny model: the second `up`, from another environment, reports the first."""
-    state = tmp_path / "state"
-    settings = make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}", completions_port=free_port(),
-                             feedback_port=free_port(), history_port=free_port(),
-                             topic_partitions=TEST_PARTITIONS, model=tiny_model)
-    caller = settings.model_copy(update={"serve_host": "0.0.0.0", "auth": "open",
-                                         "completions_port": free_port()})
-    try:
-        first = _cli(settings, "up", timeout=300)  # inside the test's 600 s, with time left for the rest
-        assert first.returncode == 0, first.stdout + first.stderr
-        key = re.search(r"apiKey: (tlk_\S+)", first.stdout).group(1)
-        token = (state / "history.token").read_text().strip()
-        assert f"dashboard http://127.0.0.1:{settings.history_port}/#token={token}" in first.stdout
-
-        again = _cli(caller, "up", timeout=120)
-        assert again.returncode == 0, again.stdout + again.stderr
-        assert "tabloop is already running" in again.stdout
-        assert f"apiBase: http://127.0.0.1:{settings.completions_port}/v1" in again.stdout
-        assert "0.0.0.0" not in again.stdout and "unused-in-open-mode" not in again.stdout
-        assert re.search(r"tlk_", again.stdout) is None and len(KeyStore(settings.keys_file).list()) == 1
-        # The key the first `up` printed works on the addresses the second printed.
-        resp = httpx.post(f"http://127.0.0.1:{settings.completions_port}/v1/completions",
-                          headers={"Authorization": f"Bearer {key}"},
-                          json={"prompt": "x = ", "max_tokens": 2}, timeout=60)
-        assert resp.status_code == 200, resp.text
-
-        # Secrets stay secret on the whole running system: nothing under the state dir is open to others,
-        # and no log holds the dashboard token.
-        from tests.test_file_modes import loose
-
-        assert loose(state) == {}
-        for log in (state / "logs").glob("*.log"):
-            assert token not in log.read_text(errors="replace"), log
-    finally:
-        down = _cli(settings, "down", timeout=180)
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert _processes_of(state) == []
 
 
 def test_up_in_the_foreground_uses_a_running_broker_and_leaves_it_running(kafka, tiny_model, tmp_path):
