@@ -66,7 +66,7 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TABLOOP_STATE_DIR": str(tmp_path / "base")}
     proc = subprocess.run(
-        [sys.executable, "-m", "tabloop.cli", "bench", "loop", "--quick", "--model", tiny_model, "--minutes", "1.5",
+        [sys.executable, "-m", "tabloop.cli", "bench", "loop", "--quick", "--model", tiny_model, "--minutes", "1.0",
          "--train-limit", "60", "--heldout", "8", "--exploration-temperature", "1.0",
          "--eval-temperature", "1.0", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)  # inside the test's 600 s
