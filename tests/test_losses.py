@@ -113,11 +113,11 @@ def test_canary_rule():
     assert canary_decision(10, 20, 13, 25, min_episodes=20, margin=0.05) == "PROMOTED"
     assert canary_decision(8, 20, 13, 25, min_episodes=20, margin=0.05) == "ROLLED_BACK"
     tally = CanaryTally(candidate=2, baseline=1, since_ms=1000)
-    tally.add(2, "ACCEPTED", 2000)
-    tally.add(2, "REJECTED", 2000)
-    tally.add(2, "ACCEPTED", 500)  # before the canary started: not counted
-    tally.add(3, "ACCEPTED", 2000)  # another version
-    tally.add(1, "IGNORED", 2000)  # undecided
+    tally.add(2, "ACCEPTED", 2000, completion_id="a")
+    tally.add(2, "REJECTED", 2000, completion_id="b")
+    tally.add(2, "ACCEPTED", 500, completion_id="c")  # before the canary started: not counted
+    tally.add(3, "ACCEPTED", 2000, completion_id="d")  # another version
+    tally.add(1, "IGNORED", 2000, completion_id="e")  # undecided
     tally.add(1, "ACCEPTED", 2000, completion_id="c1")
     tally.add(1, "ACCEPTED", 2000, completion_id="c1")  # the same completion from the other reader: once
     assert tally.summary() == {"canary_candidate_episodes": 2.0, "canary_candidate_accept_rate": 0.5,

@@ -47,20 +47,18 @@ class CanaryTally:
     counted: set[str] = field(default_factory=set)
     """The completions counted: two readers feed a tally (trainer/head_feed.py), each episode counts once."""
 
-    def add(self, policy_version: int | None, outcome: str, joined_at_ms: int, project: str = "",
-            completion_id: str | None = None) -> None:
-        """Count one episode if it is from either version, in the canary's period, decided, and not counted yet
-        (``completion_id`` None: no check, for a caller that feeds each episode once)."""
+    def add(self, policy_version: int | None, outcome: str, joined_at_ms: int, project: str = "", *,
+            completion_id: str) -> None:
+        """Count one episode if it is from either version, in the canary's period, decided, and not counted yet."""
         if policy_version not in (self.candidate, self.baseline) or joined_at_ms < self.since_ms:
             return
         if self.project and project != self.project:
             return
         if outcome not in DECIDED_OUTCOMES:
             return  # IGNORED: the user never saw it decided either way
-        if completion_id is not None:
-            if completion_id in self.counted:
-                return
-            self.counted.add(completion_id)
+        if completion_id in self.counted:
+            return
+        self.counted.add(completion_id)
         self.total[policy_version] = self.total.get(policy_version, 0) + 1
         if outcome == "ACCEPTED":
             self.accepted[policy_version] = self.accepted.get(policy_version, 0) + 1

@@ -632,7 +632,7 @@ class OnlineTrainer:
     def _count_for_canaries(self, ep: dict) -> None:
         for tally in self.canaries.values():
             tally.add(ep["policy_version"], ep["outcome"], int(ep["joined_at"].timestamp() * 1000), ep["project_id"],
-                      ep["completion_id"])
+                      completion_id=ep["completion_id"])
 
     def _held_out(self, ep: dict) -> bool:
         """Whether the gate holds this episode out of training (trainer/gate.py)."""
