@@ -22,6 +22,7 @@ import logging
 from collections import defaultdict
 
 import faust
+from aiokafka import TopicPartition
 from faust import current_event
 from faust.transport.consumer import TransactionManager
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
@@ -198,7 +199,9 @@ class SeekSafeConsumer(AIOKafkaConsumer):
             log.info("dropped %s from offset %d, fetched before its latest seek; reading again from %s",
                      tp, first, target if target is not None else "the beginning")
             if target is None:  # nothing committed yet: from the start, as auto_offset_reset says
-                await self.seek_to_beginning(tp)
+                # Faust's consumer has no seek_to_beginning of its own: its consumer thread (aiokafka's
+                # consumer underneath) has, and takes aiokafka's partition type.
+                await self._thread.seek_to_beginning(TopicPartition(tp.topic, tp.partition))
                 self.seek_epoch[tp] += 1
                 dict.__setitem__(self._read_offset, tp, None)
             else:

@@ -16,7 +16,7 @@ from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 
 from infra.bus import admin_client, ensure_topics
 from streams.app import build_app
-from streams.upstream import ListedHighwatersThread
+from streams.upstream import ListedHighwatersThread, SeekSafeConsumer, StreamsApp
 from tests.conftest import make_settings
 from tests.serving_helpers import unique
 from tests.system_helpers import poll
@@ -130,3 +130,69 @@ def test_a_producer_whose_sender_died_is_named_and_the_others_are_not(kafka, tmp
             await running.stop()
 
     assert asyncio.run(scenario()) == (["tabloop-streams-1-0"], ["default", "tabloop-streams-1-0"])
+
+
+class _SeekDuringFirstFetch(SeekSafeConsumer):
+    """A seek lands on the partitions of ``topic`` while their first batch is being fetched, as a rebalance's
+    seek to the committed offsets can when a second worker joins: that batch is suspect and must not be
+    handed on; the partition is read again."""
+
+    topic: str | None = None
+    raced = False
+
+    async def _wait_next_records(self, timeout):
+        records, active = await super()._wait_next_records(timeout)
+        ours = [tp for tp in records or {} if tp.topic == self.topic]
+        if ours and not type(self).raced:
+            for tp in ours:
+                self.seek_epoch[tp] += 1
+            type(self).raced = True
+        return records, active
+
+
+class _RacingApp(StreamsApp):
+    def _new_transport(self):
+        transport = super()._new_transport()
+        transport.Consumer = _SeekDuringFirstFetch
+        return transport
+
+
+@pytest.mark.kafka
+def test_a_batch_fetched_before_a_seek_with_nothing_committed_is_read_again_from_the_start(kafka, tmp_path):
+    """Found by the pipeline bench with two workers (CI): the re-read from the beginning called a method
+    Faust's consumer does not have, and the worker crashed."""
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    topic = unique("seek-race")
+    admin = admin_client(settings)
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+    producer = Producer({"bootstrap.servers": settings.kafka_bootstrap})
+    for i in range(20):
+        producer.produce(topic, value=b"%d" % i, partition=0)
+    producer.flush(30)
+    _SeekDuringFirstFetch.topic, _SeekDuringFirstFetch.raced = topic, False
+    app = _RacingApp(unique("seek-race-app"), broker=f"kafka://{settings.kafka_bootstrap}", store="memory://",
+                     web_enabled=False, consumer_auto_offset_reset="earliest", topic_partitions=1,
+                     datadir=str(tmp_path / "faust"))
+    seen: list[int] = []
+
+    @app.agent(app.topic(topic, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw"))
+    async def collect(stream):
+        async for value in stream:
+            seen.append(int(value))
+
+    async def run() -> BaseException | None:
+        await app.start()
+        try:
+            for _ in range(300):
+                if len(seen) >= 20 or app.consumer._thread.crash_reason or app.consumer.crash_reason:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # a duplicate, if any, would come now
+            return app.consumer._thread.crash_reason or app.consumer.crash_reason
+        finally:
+            await app.stop()
+
+    crash = asyncio.run(run())
+    assert _SeekDuringFirstFetch.raced  # the race happened
+    assert crash is None
+    assert seen == list(range(20))  # each once, in order: the suspect batch was not handed on, then re-read
