@@ -103,6 +103,70 @@ def test_sink_stores_every_event_once_and_commits_after_storing(kafka_settings, 
     assert dup == 0
 
 
+def test_run_never_commits_past_what_it_stored_when_storing_fails(kafka_settings, tmp_path):
+    """Storing one batch fails (the disk was full for a moment): run() ends with the error, no batch after
+    it is stored or committed, every offset the group committed is stored, and the next sink stores the
+    rest, each event once."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from streams.history.sink import HistoryError, HistoryStore
+
+    # One topic of one partition: each batch's commit would cover every batch before it.
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka_settings.kafka_bootstrap, history_batch_size=100,
+                             history_batch_interval_s=0.2, topic_partitions=1)
+    topic = f"hist-{uuid.uuid4().hex[:8]}.completions"
+    topics = {topic: "completions"}
+    ensure_topics(settings, [Topic(topic, "CompletionServed", KEEP_FOREVER)])
+    rng = random.Random(12)
+    with EventProducer(settings) as producer:
+        for i in range(1000):
+            producer.publish(example_event("CompletionServed", i, rng, prompt_size=200, tokens=8), topic=topic)
+    store = new_store()
+    group = f"hist-{uuid.uuid4().hex[:8]}"
+    inserted, failures_left = 0, {"bulk": 1, "rows": 1}  # one batch's bulk insert and its row-by-row retry
+
+    class FullForAMoment(HistoryStore):
+        def insert_avro(self, table, messages):
+            self._room("bulk", len(messages))
+            super().insert_avro(table, messages)
+
+        def insert(self, table, rows, source_columns=True):
+            self._room("rows", len(rows))
+            super().insert(table, rows, source_columns)
+
+        def _room(self, kind: str, rows: int) -> None:
+            nonlocal inserted
+            if inserted >= 300 and failures_left[kind]:
+                failures_left[kind] -= 1
+                raise RuntimeError("no space left on device")
+            inserted += rows
+
+    failing = HistorySink(settings, FullForAMoment(store.client, store.database, {}), topics, group_id=group)
+    with pytest.raises(HistoryError, match="no space left on device"):
+        failing.run(threading.Event())
+    failing.close()
+    assert failures_left == {"bulk": 0, "rows": 0} and 300 <= inserted < 1000
+
+    stored = {o for [o] in store.query(f"SELECT _offset FROM {store.database}.completions").rows}
+    reader = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": group})
+    [committed] = reader.committed([TopicPartition(topic, 0)], timeout=30)
+    reader.close()
+    assert committed.offset >= 200  # the batches before the failure were committed
+    missing = [o for o in range(committed.offset) if o not in stored]
+    assert not missing, f"committed up to offset {committed.offset}; not stored: {missing[:5]}…"
+
+    second = HistorySink(settings, store, topics, group_id=group)
+    def caught_up() -> bool:
+        if store.count("completions") >= 1000:
+            return True
+        second.step()
+        return False
+
+    wait(caught_up, 60, "the next sink to store the rest", poll_s=0)
+    second.close()
+    assert store.count("completions") == 1000  # raw rows: none twice
+
+
 def test_sink_waits_out_topics_that_do_not_exist_yet(kafka_settings, tmp_path):
     settings = make_settings(tmp_path, kafka_bootstrap=kafka_settings.kafka_bootstrap, history_batch_interval_s=0.2)
     tag = uuid.uuid4().hex[:8]
