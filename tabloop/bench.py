@@ -395,10 +395,10 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
                 return max(arrivals[i] for i in ids)
             for i, worker in enumerate(pool):
                 if worker.poll() is not None:
-                    log = work / f"streams-{i}.log"
-                    tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+                    log_file = work / f"streams-{i}.log"
+                    tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-40:])
                     raise RuntimeError(f"streams worker {i} exited with {worker.returncode}; "
-                                       f"the end of {log}:\n{tail}")
+                                       f"the end of {log_file}:\n{tail}")
             time.sleep(0.2)
         return None
 
