@@ -133,24 +133,27 @@ def test_a_producer_whose_sender_died_is_named_and_the_others_are_not(kafka, tmp
 
 
 class _SeekDuringFirstFetch(SeekSafeConsumer):
-    """A seek lands on the partitions of ``topic`` while their first batch is being fetched, as a rebalance's
-    seek to the committed offsets can when a second worker joins: that batch is suspect and must not be
-    handed on; the partition is read again."""
-
-    topic: str | None = None
-    raced = False
+    """A seek lands on the partitions of the app's ``race_topic`` while their first batch is being fetched,
+    as a rebalance's seek to the committed offsets can when a second worker joins: that batch is suspect
+    and must not be handed on; the partition is read again."""
 
     async def _wait_next_records(self, timeout):
         records, active = await super()._wait_next_records(timeout)
-        ours = [tp for tp in records or {} if tp.topic == self.topic]
-        if ours and not type(self).raced:
+        ours = [tp for tp in records or {} if tp.topic == self.app.race_topic]
+        if ours and not self.app.raced:
             for tp in ours:
                 self.seek_epoch[tp] += 1
-            type(self).raced = True
+            self.app.raced = True
         return records, active
 
 
 class _RacingApp(StreamsApp):
+    """A StreamsApp whose consumer races a seek against its first fetch of ``race_topic``."""
+
+    def __init__(self, *args, race_topic: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.race_topic, self.raced = race_topic, False
+
     def _new_transport(self):
         transport = super()._new_transport()
         transport.Consumer = _SeekDuringFirstFetch
@@ -169,10 +172,9 @@ def test_a_batch_fetched_before_a_seek_with_nothing_committed_is_read_again_from
     for i in range(20):
         producer.produce(topic, value=b"%d" % i, partition=0)
     producer.flush(30)
-    _SeekDuringFirstFetch.topic, _SeekDuringFirstFetch.raced = topic, False
     app = _RacingApp(unique("seek-race-app"), broker=f"kafka://{settings.kafka_bootstrap}", store="memory://",
                      web_enabled=False, consumer_auto_offset_reset="earliest", topic_partitions=1,
-                     datadir=str(tmp_path / "faust"))
+                     datadir=str(tmp_path / "faust"), race_topic=topic)
     seen: list[int] = []
 
     @app.agent(app.topic(topic, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw"))
@@ -193,6 +195,6 @@ def test_a_batch_fetched_before_a_seek_with_nothing_committed_is_read_again_from
             await app.stop()
 
     crash = asyncio.run(run())
-    assert _SeekDuringFirstFetch.raced  # the race happened
+    assert app.raced  # the race happened
     assert crash is None
     assert seen == list(range(20))  # each once, in order: the suspect batch was not handed on, then re-read
