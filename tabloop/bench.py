@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
 import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
 
 from infra.settings import Settings
 from schemas.codec import Codec
@@ -18,6 +25,40 @@ from schemas.examples import example_event
 def _emit(result: dict) -> dict:
     print(json.dumps(result, sort_keys=True))
     return result
+
+
+def stop_cleanly_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM (``kill``, a CI job's timeout) end a bench through its ``finally``, which stops its
+    broker and processes and removes its scratch dir; by default SIGTERM ended the process at once and left
+    them running. Only the main thread can set a handler (elsewhere: nothing changes). Returns what puts
+    the previous handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A temporary directory for a bench's broker, server and logs (under ``TMPDIR``).
+
+    Removed when the bench ends, whether it finished or was stopped (SIGTERM, Ctrl-C): a pipeline bench's
+    broker data runs to hundreds of MB, and every run used to leave its directory behind. Kept when the
+    bench fails, with its path printed, since its logs say why."""
+    restore = stop_cleanly_on_sigterm()
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    except (KeyboardInterrupt, SystemExit):
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    except BaseException:
+        print(f"  kept {path} (the bench's logs and data) for a look at what failed", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        restore()
 
 
 def bench_codec(n: int = 20_000, repeats: int = 3) -> dict:
@@ -186,10 +227,7 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
     (a `tabloop serve` process on the same model, as a client would see it), in alternating rounds; ms."""
     import asyncio
     import logging
-    import os
     import subprocess
-    import tempfile
-    from pathlib import Path
 
     import httpx
 
@@ -201,83 +239,84 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
     from trainer.named_models import resolve_model_spec
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures
-    state = Path(tempfile.mkdtemp(prefix="tabloop-bench-serving-"))
-    settings = settings.model_copy(update={
-        "model": resolve_model_spec(settings), "state_dir": state, "completions_port": free_port(),
-        "feedback_port": free_port(), "auth": "open", "serve_host": "127.0.0.1", "max_batch": clients})
-    log_path = state / "serve.log"
-    server = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "serve"], stdout=open(log_path, "wb"),
-                              stderr=subprocess.STDOUT, env={**os.environ, **to_environ(settings)})
-    engine = make_engine(settings)
-    prompts = [build_fim_prompt(f"def handler_{i}(request):\n    data = ", "\n    return data\n")
-               for i in range(clients * requests_per_client)]
-    tokenized = [engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    url = f"http://127.0.0.1:{settings.completions_port}/v1/completions"
+    with scratch_dir("tabloop-bench-serving-") as state:
+        settings = settings.model_copy(update={
+            "model": resolve_model_spec(settings), "state_dir": state, "completions_port": free_port(),
+            "feedback_port": free_port(), "auth": "open", "serve_host": "127.0.0.1", "max_batch": clients})
+        log_path = state / "serve.log"
+        engine = make_engine(settings)
+        prompts = [build_fim_prompt(f"def handler_{i}(request):\n    data = ", "\n    return data\n")
+                   for i in range(clients * requests_per_client)]
+        tokenized = [engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        url = f"http://127.0.0.1:{settings.completions_port}/v1/completions"
 
-    async def bare_one(i: int, samples: dict) -> None:
-        t0 = time.perf_counter()
-        first, text = None, ""
-        async for step in engine.stream(GenerationRequest(tokenized[i], max_tokens, 1.0, 1.0, seed=i)):
-            # TTFT on both sides = the first text a user could see: the front door sends no chunk for a
-            # step without text (a token ending inside a UTF-8 character, which random-weight models make
-            # often), so counting such a step here would flatter the engine.
-            if first is None and step.text:
-                first = time.perf_counter()
-            text += step.text
-            if any(s in text for s in QWEN_STOP_WORDS):  # the front door stops there too
-                break
-        done = time.perf_counter()
-        samples["latency"].append((done - t0) * 1000)
-        samples["ttft"].append(((first or done) - t0) * 1000)  # no text at all: the end, as the door's last chunk
-
-    async def door_one(http: httpx.AsyncClient, i: int, samples: dict) -> None:
-        t0 = time.perf_counter()
-        first = None
-        body = {"prompt": prompts[i], "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True}
-        async with http.stream("POST", url, json=body) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if line.startswith("data: ") and first is None:
+        async def bare_one(i: int, samples: dict) -> None:
+            t0 = time.perf_counter()
+            first, text = None, ""
+            async for step in engine.stream(GenerationRequest(tokenized[i], max_tokens, 1.0, 1.0, seed=i)):
+                # TTFT on both sides = the first text a user could see: the front door sends no chunk for a
+                # step without text (a token ending inside a UTF-8 character, which random-weight models make
+                # often), so counting such a step here would flatter the engine.
+                if first is None and step.text:
                     first = time.perf_counter()
-        samples["latency"].append((time.perf_counter() - t0) * 1000)
-        samples["ttft"].append((first - t0) * 1000)
+                text += step.text
+                if any(s in text for s in QWEN_STOP_WORDS):  # the front door stops there too
+                    break
+            done = time.perf_counter()
+            samples["latency"].append((done - t0) * 1000)
+            samples["ttft"].append(((first or done) - t0) * 1000)  # no text at all: the end, as the door's last chunk
 
-    async def run_clients(one) -> None:
-        async def client(c: int) -> None:
-            for r in range(requests_per_client):
-                await one(c * requests_per_client + r)
-        await asyncio.gather(*(client(c) for c in range(clients)))
+        async def door_one(http: httpx.AsyncClient, i: int, samples: dict) -> None:
+            t0 = time.perf_counter()
+            first = None
+            body = {"prompt": prompts[i], "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True}
+            async with http.stream("POST", url, json=body) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and first is None:
+                        first = time.perf_counter()
+            samples["latency"].append((time.perf_counter() - t0) * 1000)
+            samples["ttft"].append((first - t0) * 1000)
 
-    results = {"engine": {"latency": [], "ttft": []}, "front_door": {"latency": [], "ttft": []}}
-    scratch = {"latency": [], "ttft": []}
+        async def run_clients(one) -> None:
+            async def client(c: int) -> None:
+                for r in range(requests_per_client):
+                    await one(c * requests_per_client + r)
+            await asyncio.gather(*(client(c) for c in range(clients)))
 
-    async def main() -> None:
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients * 2)) as http:
-            deadline = time.monotonic() + 300
-            while True:
-                if server.poll() is not None:
-                    raise RuntimeError(f"tabloop serve exited: {log_path.read_text()[-2000:]}")
-                try:
-                    if (await http.get(url.replace("/v1/completions", "/readyz"))).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("tabloop serve did not become ready")
-                await asyncio.sleep(0.2)
-            await run_clients(lambda i: bare_one(i, scratch))  # warm-up, both sides
-            await run_clients(lambda i: door_one(http, i, scratch))
-            for r in range(rounds):
-                print(f"  round {r + 1}/{rounds}: engine …", file=sys.stderr)
-                await run_clients(lambda i: bare_one(i, results["engine"]))
-                print(f"  round {r + 1}/{rounds}: front door …", file=sys.stderr)
-                await run_clients(lambda i: door_one(http, i, results["front_door"]))
+        results = {"engine": {"latency": [], "ttft": []}, "front_door": {"latency": [], "ttft": []}}
+        scratch = {"latency": [], "ttft": []}
 
-    try:
-        asyncio.run(main())
-    finally:
-        server.terminate()
-        server.wait(30)
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients * 2)) as http:
+                deadline = time.monotonic() + 300
+                while True:
+                    if server.poll() is not None:
+                        raise RuntimeError(f"tabloop serve exited: {log_path.read_text()[-2000:]}")
+                    try:
+                        if (await http.get(url.replace("/v1/completions", "/readyz"))).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("tabloop serve did not become ready")
+                    await asyncio.sleep(0.2)
+                await run_clients(lambda i: bare_one(i, scratch))  # warm-up, both sides
+                await run_clients(lambda i: door_one(http, i, scratch))
+                for r in range(rounds):
+                    print(f"  round {r + 1}/{rounds}: engine …", file=sys.stderr)
+                    await run_clients(lambda i: bare_one(i, results["engine"]))
+                    print(f"  round {r + 1}/{rounds}: front door …", file=sys.stderr)
+                    await run_clients(lambda i: door_one(http, i, results["front_door"]))
+
+        # Started once the engine here has loaded, so that a model that fails to load leaves no server behind.
+        server = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "serve"], stdout=open(log_path, "wb"),
+                                  stderr=subprocess.STDOUT, env={**os.environ, **to_environ(settings)})
+        try:
+            asyncio.run(main())
+        finally:
+            server.terminate()
+            server.wait(30)
     out = {"bench": "serving", "model": engine.model_name, "engine_kind": engine.name, "clients": clients,
            "requests": clients * requests_per_client * rounds, "max_tokens": max_tokens}
     for name, samples in results.items():
@@ -349,9 +388,6 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
        for ``seconds``; latency = feedback published → its episode readable (read_committed).
     """
     import subprocess
-    import tempfile
-    import threading
-    from pathlib import Path
 
     from confluent_kafka import Consumer
 
@@ -364,108 +400,108 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
     if not 1 <= workers <= settings.topic_partitions:
         raise TabloopError(f"--workers {workers}: give 1 to the topics' {settings.topic_partitions} partitions "
                            "(TABLOOP_TOPIC_PARTITIONS); a worker past that would get no partition")
-    work = Path(tempfile.mkdtemp(prefix="tabloop-bench-pipeline-"))
-    s = settings.model_copy(update={"state_dir": work, "kafka_bootstrap": f"127.0.0.1:{free_port()}",
-                                    "topic_partitions": settings.topic_partitions})
-    broker = LocalKafka(s)
-    print(f"  starting a broker of its own on {s.kafka_bootstrap}", file=sys.stderr)
-    broker.start()
-    codec = Codec()
-    arrivals: dict[str, float] = {}  # feedback event id -> when its episode was readable
-    stop_reading = threading.Event()
+    with scratch_dir("tabloop-bench-pipeline-") as work:
+        s = settings.model_copy(update={"state_dir": work, "kafka_bootstrap": f"127.0.0.1:{free_port()}",
+                                        "topic_partitions": settings.topic_partitions})
+        broker = LocalKafka(s)
+        codec = Codec()
+        arrivals: dict[str, float] = {}  # feedback event id -> when its episode was readable
+        stop_reading = threading.Event()
 
-    def read_episodes() -> None:
-        c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": f"bench-{uuid.uuid4().hex[:6]}",
-                      "auto.offset.reset": "earliest", "enable.auto.commit": False,
-                      "isolation.level": "read_committed"})
-        c.subscribe(["tabloop.episodes"])
-        while not stop_reading.is_set():
-            for m in c.consume(1000, 0.2):
-                if m.error() is None:
-                    arrivals.setdefault(codec.decode(m.value()).record["feedback_event_id"], time.perf_counter())
-        c.close()
+        def read_episodes() -> None:
+            c = Consumer({"bootstrap.servers": s.kafka_bootstrap, "group.id": f"bench-{uuid.uuid4().hex[:6]}",
+                          "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                          "isolation.level": "read_committed"})
+            c.subscribe(["tabloop.episodes"])
+            while not stop_reading.is_set():
+                for m in c.consume(1000, 0.2):
+                    if m.error() is None:
+                        arrivals.setdefault(codec.decode(m.value()).record["feedback_event_id"], time.perf_counter())
+            c.close()
 
-    def wait_for(ids: list[str], timeout_s: float, label: str) -> float | None:
-        deadline, last_print = time.monotonic() + timeout_s, 0.0
-        while time.monotonic() < deadline:
-            done = sum(1 for i in ids if i in arrivals)
-            if time.monotonic() - last_print > 5:
-                print(f"  {label}: {done:,}/{len(ids):,} episodes", file=sys.stderr)
-                last_print = time.monotonic()
-            if done == len(ids):
-                return max(arrivals[i] for i in ids)
-            for i, worker in enumerate(pool):
-                if worker.poll() is not None:
-                    log_file = work / f"streams-{i}.log"
-                    raise RuntimeError(f"streams worker {i} exited with {worker.returncode}; "
-                                       f"the end of {log_file}:\n{tail(log_file, 40)}")
-            time.sleep(0.2)
-        return None
+        def wait_for(ids: list[str], timeout_s: float, label: str) -> float | None:
+            deadline, last_print = time.monotonic() + timeout_s, 0.0
+            while time.monotonic() < deadline:
+                done = sum(1 for i in ids if i in arrivals)
+                if time.monotonic() - last_print > 5:
+                    print(f"  {label}: {done:,}/{len(ids):,} episodes", file=sys.stderr)
+                    last_print = time.monotonic()
+                if done == len(ids):
+                    return max(arrivals[i] for i in ids)
+                for i, worker in enumerate(pool):
+                    if worker.poll() is not None:
+                        log_file = work / f"streams-{i}.log"
+                        raise RuntimeError(f"streams worker {i} exited with {worker.returncode}; "
+                                           f"the end of {log_file}:\n{tail(log_file, 40)}")
+                time.sleep(0.2)
+            return None
 
-    pool: list[subprocess.Popen] = []
-    reader = threading.Thread(target=read_episodes, daemon=True)
-    try:
-        ensure_topics(s)
-        now = int(time.time() * 1000)
-        completions, feedback = _pipeline_events(n, 1, now - 60_000, "load")
-        with EventProducer(s, codec) as producer:
-            for e in completions + feedback:
-                producer.publish(e)
-        print(f"  {n:,} completions and {n:,} feedback on the topics", file=sys.stderr)
-        reader.start()
-        t_start = time.perf_counter()
-        for i in range(workers):  # each its own state dir (Faust's data dir), one consumer group
-            pool.append(subprocess.Popen(
-                [sys.executable, "-m", "tabloop.cli", "streams", "--guarantee", guarantee],
-                stdout=open(work / f"streams-{i}.log", "ab"), stderr=subprocess.STDOUT,
-                env={**os.environ, **to_environ(s.model_copy(update={"state_dir": work / f"worker-{i}"}))}))
-        ids = [f.event_id for f in feedback]
+        pool: list[subprocess.Popen] = []
+        reader = threading.Thread(target=read_episodes, daemon=True)
+        try:
+            print(f"  starting a broker of its own on {s.kafka_bootstrap}", file=sys.stderr)
+            broker.start()
+            ensure_topics(s)
+            now = int(time.time() * 1000)
+            completions, feedback = _pipeline_events(n, 1, now - 60_000, "load")
+            with EventProducer(s, codec) as producer:
+                for e in completions + feedback:
+                    producer.publish(e)
+            print(f"  {n:,} completions and {n:,} feedback on the topics", file=sys.stderr)
+            reader.start()
+            t_start = time.perf_counter()
+            for i in range(workers):  # each its own state dir (Faust's data dir), one consumer group
+                pool.append(subprocess.Popen(
+                    [sys.executable, "-m", "tabloop.cli", "streams", "--guarantee", guarantee],
+                    stdout=open(work / f"streams-{i}.log", "ab"), stderr=subprocess.STDOUT,
+                    env={**os.environ, **to_environ(s.model_copy(update={"state_dir": work / f"worker-{i}"}))}))
+            ids = [f.event_id for f in feedback]
 
-        def pool_cpu() -> float:
-            return sum(_cpu_seconds(w.pid) for w in pool)
+            def pool_cpu() -> float:
+                return sum(_cpu_seconds(w.pid) for w in pool)
 
-        cpu_start = None
-        while cpu_start is None and all(w.poll() is None for w in pool):  # CPU from the first episode on
-            if arrivals:
-                cpu_start = pool_cpu()
-            time.sleep(0.05)
-        t_end = wait_for(ids, max(600.0, n / 20), "backlog")
-        cpu_backlog = pool_cpu() - (cpu_start or 0.0)
-        if t_end is None:
-            raise RuntimeError(f"the workers did not finish {n:,} episodes in time; see {work}/streams-*.log")
-        t_first = min(arrivals[i] for i in ids)
-        throughput = (n - 1) / (t_end - t_first)
-        print(f"  backlog: {n:,} episodes, {throughput:,.0f}/s after a start-up of {t_first - t_start:.1f}s; "
-              f"{cpu_backlog / n * 1000:.2f} ms of worker CPU per episode ({workers} worker(s))", file=sys.stderr)
+            cpu_start = None
+            while cpu_start is None and all(w.poll() is None for w in pool):  # CPU from the first episode on
+                if arrivals:
+                    cpu_start = pool_cpu()
+                time.sleep(0.05)
+            t_end = wait_for(ids, max(600.0, n / 20), "backlog")
+            cpu_backlog = pool_cpu() - (cpu_start or 0.0)
+            if t_end is None:
+                raise RuntimeError(f"the workers did not finish {n:,} episodes in time; see {work}/streams-*.log")
+            t_first = min(arrivals[i] for i in ids)
+            throughput = (n - 1) / (t_end - t_first)
+            print(f"  backlog: {n:,} episodes, {throughput:,.0f}/s after a start-up of {t_first - t_start:.1f}s; "
+                  f"{cpu_backlog / n * 1000:.2f} ms of worker CPU per episode ({workers} worker(s))", file=sys.stderr)
 
-        # Live: each completion shortly before its feedback, feedback at ``rate`` per second.
-        m = int(rate * seconds)
-        completions, feedback = _pipeline_events(m, 2, int(time.time() * 1000), "live", 1000 / rate)
-        sent: dict[str, float] = {}
-        with EventProducer(s, codec) as producer:
-            t0 = time.perf_counter()
-            for i, (c, f) in enumerate(zip(completions, feedback)):
-                target = t0 + i / rate
-                if (pause := target - time.perf_counter()) > 0:
-                    time.sleep(pause)
-                producer.publish(c)
-                sent[f.event_id] = time.perf_counter()
-                producer.publish(f)
-            achieved = m / (time.perf_counter() - t0)
-        # A worker slower than the feedback rate drains what piled up at its backlog pace.
-        done = wait_for(list(sent), max(60 + seconds * 10, 2 * m / throughput), "live")
-        latencies = [(arrivals[i] - t) * 1000 for i, t in sent.items() if i in arrivals]
-        print(f"  live: {len(latencies):,}/{m:,} episodes at {achieved:,.0f} feedback/s", file=sys.stderr)
-    finally:
-        stop_reading.set()
-        for worker in pool:
-            worker.terminate()
-        for worker in pool:
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-        broker.stop()
+            # Live: each completion shortly before its feedback, feedback at ``rate`` per second.
+            m = int(rate * seconds)
+            completions, feedback = _pipeline_events(m, 2, int(time.time() * 1000), "live", 1000 / rate)
+            sent: dict[str, float] = {}
+            with EventProducer(s, codec) as producer:
+                t0 = time.perf_counter()
+                for i, (c, f) in enumerate(zip(completions, feedback)):
+                    target = t0 + i / rate
+                    if (pause := target - time.perf_counter()) > 0:
+                        time.sleep(pause)
+                    producer.publish(c)
+                    sent[f.event_id] = time.perf_counter()
+                    producer.publish(f)
+                achieved = m / (time.perf_counter() - t0)
+            # A worker slower than the feedback rate drains what piled up at its backlog pace.
+            done = wait_for(list(sent), max(60 + seconds * 10, 2 * m / throughput), "live")
+            latencies = [(arrivals[i] - t) * 1000 for i, t in sent.items() if i in arrivals]
+            print(f"  live: {len(latencies):,}/{m:,} episodes at {achieved:,.0f} feedback/s", file=sys.stderr)
+        finally:
+            stop_reading.set()
+            for worker in pool:
+                worker.terminate()
+            for worker in pool:
+                try:
+                    worker.wait(30)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+            broker.stop()
     lat = _percentiles(latencies)
     return _emit({"bench": "pipeline", "guarantee": guarantee, "partitions": s.topic_partitions,
                   "workers": workers, "backlog_episodes": n, "episodes_per_s": round(throughput),

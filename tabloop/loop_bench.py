@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -329,20 +328,10 @@ def resolve_model(base, model: str) -> str:
     return model
 
 
-def _stop_cleanly_on_sigterm() -> Callable[[], None]:
-    """Make SIGTERM (``kill``, a CI job's timeout) end the bench through its ``finally``, which stops the
-    components and the broker and removes the state dir; by default it ended the process at once and left the
-    broker and the trainer running. Only the main thread can set a handler (elsewhere: nothing changes).
-    Returns what puts the previous handler back."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    return lambda: signal.signal(signal.SIGTERM, previous)
-
-
 def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
                    log: Callable[[str], None] | None = None) -> dict:
     from tabloop import supervisor as sv
+    from tabloop.bench import stop_cleanly_on_sigterm
     from infra.bus import ensure_topics, read_topic
     from infra.kafka_broker import LocalKafka
     from schemas.topics import EPISODES
@@ -369,7 +358,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     broker = LocalKafka(settings)
     supervisor = thread = None
     system_log = open(out_dir / "system.log", "w")
-    restore_sigterm = _stop_cleanly_on_sigterm()
+    restore_sigterm = stop_cleanly_on_sigterm()
     try:
         broker.start()
         ensure_topics(settings)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,13 +87,34 @@ BENCHES = {
 }
 
 
-def bench(name: str, args: list[str], kafka, tiny_model, tmp_path, **settings) -> subprocess.CompletedProcess:
+def bench_command(name: str, args: list[str], kafka, tiny_model, tmp_path, **settings) -> tuple[list[str], dict]:
+    """The command line and environment of a bench run; its temporary files go to ``tmp_path/scratch``."""
     s = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
                       **settings)
-    env = {**os.environ, **to_environ(s), "PYTHONPATH": os.getcwd()}
+    (tmp_path / "scratch").mkdir(exist_ok=True)
+    env = {**os.environ, **to_environ(s), "PYTHONPATH": os.getcwd(), "TMPDIR": str(tmp_path / "scratch")}
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]  # where a bench writes its files
-    return subprocess.run([sys.executable, "-m", "tabloop.cli", "bench", name, *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+    return [sys.executable, "-m", "tabloop.cli", "bench", name, *args], env
+
+
+def bench(name: str, args: list[str], kafka, tiny_model, tmp_path, **settings) -> subprocess.CompletedProcess:
+    command, env = bench_command(name, args, kafka, tiny_model, tmp_path, **settings)
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Running processes whose command line or environment contains ``text``: a bench's broker and workers
+    run with its scratch dir in both."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(text.encode() in (proc / part).read_bytes() for part in ("cmdline", "environ")):
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
 
 
 @pytest.mark.parametrize("name", list(BENCHES))
@@ -100,6 +123,44 @@ def test_each_bench_runs_small_and_reports_json(name, kafka, tiny_model, tmp_pat
     out = bench(name, args, kafka, tiny_model, tmp_path, **settings)
     assert out.returncode == 0, out.stderr[-3000:]
     check(json.loads(out.stdout.strip().splitlines()[-1]))
+    # Nothing left behind: the pipeline bench's broker data used to stay in /tmp after every run.
+    assert list((tmp_path / "scratch").iterdir()) == []
+
+
+def test_a_stopped_pipeline_bench_stops_its_broker_and_workers_and_removes_its_files(kafka, tiny_model, tmp_path):
+    """`kill` (SIGTERM) of a running pipeline bench, or a CI job's timeout: it used to end at once and leave
+    its broker running and its directory (hundreds of MB at the default size) behind."""
+    command, env = bench_command("pipeline", ["--events", "3000"], kafka, tiny_model, tmp_path)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        seen = []
+        for line in proc.stderr:  # the workers are at the backlog once it reports on it
+            seen.append(line)
+            if "backlog:" in line:
+                break
+        scratch = str(tmp_path / "scratch")
+        assert any("backlog:" in line for line in seen), "".join(seen)[-3000:]
+        others = [pid for pid in processes_mentioning(scratch) if pid != proc.pid]
+        assert len(others) >= 2, "the bench's broker and worker run with its scratch dir"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert processes_mentioning(scratch) == []
+    assert list((tmp_path / "scratch").iterdir()) == []
+
+
+def test_a_failed_pipeline_bench_keeps_its_files_and_says_where(kafka, tiny_model, tmp_path):
+    """A worker that cannot start (its reward spec file is missing) fails the bench; the directory with its
+    log stays, named on stderr, and the broker is stopped."""
+    command, env = bench_command("pipeline", ["--events", "100"], kafka, tiny_model, tmp_path)
+    env["TABLOOP_REWARD_SPEC_FILE"] = str(tmp_path / "no-such-spec.yaml")
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 1 and "streams worker 0 exited" in out.stderr, out.stderr[-3000:]
+    [kept] = list((tmp_path / "scratch").iterdir())
+    assert f"kept {kept}" in out.stderr and (kept / "streams-0.log").exists()
+    assert processes_mentioning(str(kept)) == []
 
 
 def test_the_history_bench_refuses_too_few_events_to_time(kafka, tiny_model, tmp_path):

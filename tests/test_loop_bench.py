@@ -122,10 +122,10 @@ def test_sigterm_ends_the_bench_through_its_cleanup(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import subprocess, time
         from pathlib import Path
-        from tabloop.loop_bench import _stop_cleanly_on_sigterm
+        from tabloop.bench import stop_cleanly_on_sigterm
 
         child = subprocess.Popen(["sleep", "600"])
-        restore = _stop_cleanly_on_sigterm()
+        restore = stop_cleanly_on_sigterm()
         try:
             print(child.pid, flush=True)
             time.sleep(600)
