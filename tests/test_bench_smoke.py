@@ -130,7 +130,7 @@ def test_each_bench_runs_small_and_reports_json(name, kafka, tiny_model, tmp_pat
 def test_a_stopped_pipeline_bench_stops_its_broker_and_workers_and_removes_its_files(kafka, tiny_model, tmp_path):
     """`kill` (SIGTERM) of a running pipeline bench, or a CI job's timeout: it used to end at once and leave
     its broker running and its directory (hundreds of MB at the default size) behind."""
-    command, env = bench_command("pipeline", ["--events", "3000"], kafka, tiny_model, tmp_path)
+    command, env = bench_command("pipeline", ["--events", "500"], kafka, tiny_model, tmp_path)
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         seen = []
