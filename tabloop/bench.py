@@ -52,7 +52,7 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
     except (KeyboardInterrupt, SystemExit):
         shutil.rmtree(path, ignore_errors=True)
         raise
-    except BaseException:
+    except Exception:
         print(f"  kept {path} (the bench's logs and data) for a look at what failed", file=sys.stderr)
         raise
     else:
@@ -172,9 +172,6 @@ def bench_adapters(settings: Settings, *, rows: int = 8, adapters: int = 4, prom
     version), ``adapters`` adapters mixed in one batch (several projects), and base rows through the peft
     model; and the time to load one adapter into it (random adapters of rank ``rank``, on TABLOOP_MODEL)."""
     import copy
-    import tempfile
-    import time
-    from pathlib import Path
 
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -310,8 +307,9 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
                     await run_clients(lambda i: door_one(http, i, results["front_door"]))
 
         # Started once the engine here has loaded, so that a model that fails to load leaves no server behind.
-        server = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "serve"], stdout=open(log_path, "wb"),
-                                  stderr=subprocess.STDOUT, env={**os.environ, **to_environ(settings)})
+        with open(log_path, "wb") as log_file:  # the server keeps its own copy of the descriptor
+            server = subprocess.Popen([sys.executable, "-m", "tabloop.cli", "serve"], stdout=log_file,
+                                      stderr=subprocess.STDOUT, env={**os.environ, **to_environ(settings)})
         try:
             asyncio.run(main())
         finally:

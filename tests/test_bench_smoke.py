@@ -10,13 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from infra.settings import to_environ
 from schemas.events import EVENT_TYPES
 from tests.conftest import make_settings
+from tests.system_helpers import processes_of
 
 pytestmark = pytest.mark.kafka
 
@@ -102,21 +102,6 @@ def bench(name: str, args: list[str], kafka, tiny_model, tmp_path, **settings) -
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
 
-def processes_mentioning(text: str) -> list[int]:
-    """Running processes whose command line or environment contains ``text``: a bench's broker and workers
-    run with its scratch dir in both."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if any(text.encode() in (proc / part).read_bytes() for part in ("cmdline", "environ")):
-                found.append(int(proc.name))
-        except OSError:  # gone meanwhile
-            continue
-    return found
-
-
 @pytest.mark.parametrize("name", list(BENCHES))
 def test_each_bench_runs_small_and_reports_json(name, kafka, tiny_model, tmp_path):
     args, settings, check = BENCHES[name]
@@ -138,17 +123,17 @@ def test_a_stopped_pipeline_bench_stops_its_broker_and_workers_and_removes_its_f
             seen.append(line)
             if "backlog:" in line:
                 break
-        scratch = str(tmp_path / "scratch")
+        scratch = tmp_path / "scratch"
         assert any("backlog:" in line for line in seen), "".join(seen)[-3000:]
-        others = [pid for pid in processes_mentioning(scratch) if pid != proc.pid]
+        others = [pid for pid in processes_of(scratch) if pid != proc.pid]
         assert len(others) >= 2, "the bench's broker and worker run with its scratch dir"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert processes_mentioning(scratch) == []
-    assert list((tmp_path / "scratch").iterdir()) == []
+    assert processes_of(scratch) == []
+    assert list(scratch.iterdir()) == []
 
 
 def test_a_failed_pipeline_bench_keeps_its_files_and_says_where(kafka, tiny_model, tmp_path):
@@ -160,7 +145,7 @@ def test_a_failed_pipeline_bench_keeps_its_files_and_says_where(kafka, tiny_mode
     assert out.returncode == 1 and "streams worker 0 exited" in out.stderr, out.stderr[-3000:]
     [kept] = list((tmp_path / "scratch").iterdir())
     assert f"kept {kept}" in out.stderr and (kept / "streams-0.log").exists()
-    assert processes_mentioning(str(kept)) == []
+    assert processes_of(kept) == []
 
 
 def test_the_history_bench_refuses_too_few_events_to_time(kafka, tiny_model, tmp_path):
