@@ -13,6 +13,7 @@ print('\n'.join(d['dependencies']))" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt
 
 COPY schemas ./schemas
+COPY policy ./policy
 COPY serving ./serving
 COPY streams ./streams
 COPY trainer ./trainer

@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from infra.settings import Settings
 from serving import feedback, openapi
-from serving.auth import MAX_NAME, KeyStore, Principal, RateLimiter
+from infra.auth import MAX_NAME, KeyStore, Principal, RateLimiter
 from serving.completions import CompletionRun, parse_completion_request, parse_fim_request
 from serving.engines.base import Engine
 from serving.http import HTTPProblem, SSEResponse, check_length, read_json

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 from infra.settings import Settings
 from schemas.events import Event, new_event
 from serving.engines.base import Engine, GenerationRequest, TokenStep
-from serving.fim import (
+from policy.fim import (
     QWEN_STOP_WORDS,
     build_fim_prompt,
     earliest_stop,
@@ -29,8 +29,8 @@ from serving.fim import (
     prompt_token_ids,
     safe_emit_length,
 )
+from policy.shown import kept_token_count
 from serving.http import MAX_NAME_CHARS, HTTPProblem, field as body_field
-from streams.join import kept_token_count
 
 MAX_STOP_WORDS = 32
 

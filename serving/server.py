@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from infra.http_server import bind, guarded_protocol
 from infra.settings import Settings
 from serving.app import FrontDoor
 from serving.engines.base import Engine
 from serving.publisher import EventPublisher
 
 log = logging.getLogger("tabloop.serve")
-BODY_GRACE_S = 5.0
-"""The connection-level body deadline trails the app's own (read_json's 408) by this much, so a client
-whose body is being read gets the 408; the deadline only closes connections whose body nobody reads."""
-
-
 def make_engine(settings: Settings) -> Engine:
     if settings.engine == "vllm":
         from serving.engines.vllm_engine import VLLMEngine
@@ -29,8 +22,8 @@ def make_engine(settings: Settings) -> Engine:
     from transformers.utils import logging as hf_logging
 
     from serving.engines.transformers_engine import TransformersEngine
-    from trainer.models import use_torch_threads
-    from trainer.named_models import resolve_model_spec
+    from policy.models import use_torch_threads
+    from policy.named_models import resolve_model_spec
 
     hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
     use_torch_threads(settings.torch_threads)
@@ -42,102 +35,6 @@ def make_engine(settings: Settings) -> Engine:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return TransformersEngine(resolve_model_spec(settings), device=device, max_batch=settings.max_batch,
                              batch_window_ms=settings.batch_window_ms, max_adapters=settings.max_adapters)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that say so, and without it
-    # each streamed chunk after the first waits ~40 ms for the client's delayed ACK (Nagle).
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
-
-
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with deadlines on receiving a request, which uvicorn has none of.
-
-    uvicorn's keep-alive timer runs only between requests, so a client that connects and sends nothing,
-    or half a request line, or trickles headers a byte at a time, holds its connection forever. Here the
-    request line and headers must all arrive within ``header_timeout_s`` of the connection opening (or of
-    the first byte of the next request on a kept-alive connection), and the body within
-    ``body_timeout_s`` (+ BODY_GRACE_S) of the headers; else the connection gets a 408 and is closed.
-    Bytes arriving do not push a deadline back. Once a request is in, it has no deadline: generation
-    and streamed responses take as long as they take.
-    """
-
-    header_timeout_s = 10.0
-    body_timeout_s = 30.0
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._deadline: asyncio.TimerHandle | None = None
-        self._awaiting: str | None = None  # "headers" or "body": what the running deadline is for
-
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._await("headers")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._await(None)
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        self._follow(data_came=True)
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._follow(data_came=False)
-
-    def _follow(self, data_came: bool) -> None:
-        """Arm, keep or cancel the deadline for what the client owes us now."""
-        if self.transport.is_closing():
-            return self._await(None)
-        state = self.conn.their_state
-        if state is h11.IDLE:
-            # Between requests uvicorn's keep-alive timer closes an idle connection; a deadline starts with
-            # the first byte of the next request (or one already buffered behind the last response).
-            if data_came or self.conn.trailing_data[0]:
-                self._await("headers")
-            else:
-                self._await(None)
-        elif state is h11.SEND_BODY:
-            self._await("body")
-        else:  # the request is in (DONE), or the connection is ending
-            self._await(None)
-
-    def _await(self, what: str | None) -> None:
-        if what == self._awaiting:
-            return  # a running deadline is never pushed back
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-        self._awaiting = what
-        if what is not None:
-            seconds = self.header_timeout_s if what == "headers" else self.body_timeout_s + BODY_GRACE_S
-            self._deadline = self.loop.call_later(seconds, self._expire, what, seconds)
-
-    def _expire(self, what: str, seconds: float) -> None:
-        self._deadline = None
-        if self.transport.is_closing():
-            return
-        if what == "headers" or not self.cycle.response_started:
-            # Say why before closing; written raw, as h11 has no request to answer while the headers are
-            # incomplete. (A request already answered, its body still trickling in, is just closed.)
-            text = f"request {what} not received within {seconds:g}s".encode()
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
-        log.info("closed a connection from %s: request %s not received within %gs", self.client, what, seconds)
-        self.transport.close()
-
-
-def guarded_protocol(settings: Settings) -> type[GuardedH11Protocol]:
-    """The protocol class uvicorn instantiates per connection, with this server's deadlines."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": settings.header_timeout_s,
-                                                              "body_timeout_s": settings.body_timeout_s})
 
 
 class Server:

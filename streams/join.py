@@ -26,7 +26,6 @@ Episode ids are derived from what they join, so a re-run produces the same ids.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import uuid
 from collections import Counter
@@ -34,7 +33,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from schemas.events import Event, new_event
-from serving.fim import parse_prompt
+from policy.fim import parse_prompt
+from policy.shown import kept_token_count
 from streams.rewards import RewardSpecs, acceptance_reward, composite_reward
 
 EPISODE_NAMESPACE = uuid.UUID("6f1c2a9e-5b7d-4d8e-9c3a-2b1f0e4d7a6c")
@@ -79,19 +79,6 @@ def shows_nothing(completion: dict) -> bool:
     to nothing) with no text, or only whitespace, which IDEs don't show (Continue trims it). A client that
     went away before anything was shown (``aborted``) is not the model's choice, so it is not one."""
     return not completion.get("aborted") and not completion["completion_text"].strip()
-
-
-def kept_token_count(token_text_ends: list[int], shown_chars: int) -> int:
-    """How many of a completion's generated tokens its episode trains on: those whose text lies within the
-    ``shown_chars`` characters the user was shown, plus the one token that ended them (the end of
-    sequence, or the token a stop string, a hold-back or the client's leaving cut into).
-
-    ``token_text_ends[i]``: where token i's text ends in the generated text (non-decreasing: a token whose
-    text is still incomplete — half a UTF-8 character — ends where the one before it did). Tokens after
-    the ending one were never seen, so their reward says nothing about them.
-    """
-    within = bisect.bisect_right(token_text_ends, shown_chars)
-    return min(within + 1, len(token_text_ends))
 
 
 def shown_part(completion: dict, shown: str | None) -> tuple[str, list[int], list[float]]:

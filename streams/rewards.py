@@ -120,7 +120,7 @@ def served_token_counter(settings=None) -> Callable[[str], int]:
         from infra.settings import Settings
 
         settings = Settings()
-    from trainer.named_models import resolve_model_spec
+    from policy.named_models import resolve_model_spec
 
     return _counter(resolve_model_spec(settings))
 

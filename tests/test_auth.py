@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from serving.auth import KeyStore, KeyStoreError, Principal, RateLimiter
+from infra.auth import KeyStore, KeyStoreError, Principal, RateLimiter
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 
 from serving.engines.base import GenerationRequest
 from serving.engines.transformers_engine import sample_token
-from trainer.losses import sampling_log_probs
+from policy.sampling import sampling_log_probs
 
 
 def test_sample_token_draws_from_the_tempered_nucleus_and_records_its_logprob():
@@ -118,7 +118,7 @@ def run_completion(engine, body, settings):
 
 
 def test_kept_token_count_by_hand():
-    from streams.join import kept_token_count
+    from policy.shown import kept_token_count
 
     # "x" | "\n" | "\n" | "foo": shown "x" (a stop "\n\n" cut it) → "x" and the "\n" that ended it.
     assert kept_token_count([1, 2, 3, 6], 1) == 2

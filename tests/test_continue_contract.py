@@ -23,7 +23,7 @@ from infra.bus import ensure_topics
 from infra.local import ContinueConfigError, continue_config, endpoints, merge_continue_config
 from schemas.topics import COMPLETIONS, FEEDBACK
 from serving import feedback
-from serving.auth import KeyStore
+from infra.auth import KeyStore
 from streams.join import JoinPipeline
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events
@@ -166,7 +166,7 @@ def serve(door, prompt: str) -> tuple[str, str]:
 
 def autocomplete(prompt: str, completion: str, accepted: bool, path: str, client_id: str) -> dict:
     """What Continue's AutocompleteLoggingService logs for one suggestion; `time` is its generation time."""
-    from serving.fim import parse_prompt
+    from policy.fim import parse_prompt
 
     parsed = parse_prompt(prompt)
     return {"accepted": accepted, "time": 180, "prefix": parsed.prefix, "suffix": parsed.suffix, "prompt": prompt,

@@ -1,5 +1,5 @@
 """Continuous batching: rows join a decoding batch between steps and leave it when done, and each row's
-logits are what it would get decoded alone (trainer.models.CachedDecoder.merge/keep, the transformers
+logits are what it would get decoded alone (policy.models.CachedDecoder.merge/keep, the transformers
 engine's admission)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from serving.engines.base import GenerationRequest
-from trainer.models import CachedDecoder, load_model
+from policy.models import CachedDecoder, load_model
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import torch
 from tests.conftest import make_settings
 from trainer.proof.demo_model import (DemoConfig, build_demo_model, collate, fim_sequence, lr_at_progress, new_model,
                                 training_progress)
-from trainer.models import MODEL_MARKER, load_model
-from trainer.named_models import resolve_model_spec
+from policy.models import MODEL_MARKER, load_model
+from trainer.named_models import build_named_model
 
 SPECIAL = {"prefix": 3, "middle": 4, "suffix": 5}
 EOS = 0
@@ -106,6 +106,6 @@ def test_model_demo_setting_serves_the_cached_demo_model(tmp_path):
     build_demo_model(out, DemoConfig(**{**SMALL.__dict__, "steps": 2}), sources=SOURCES, progress=False,
                      log=lambda _: None)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
-    assert resolve_model_spec(settings) == str(out.resolve())
+    assert build_named_model(settings) == str(out.resolve())
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp  # found, not rebuilt
-    assert resolve_model_spec(make_settings(tmp_path, model="/some/dir")) == "/some/dir"
+    assert build_named_model(make_settings(tmp_path, model="/some/dir")) == "/some/dir"

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from tabloop.cli import main
 from tests.test_judge import FakeJudgeAPI, Reply
 from trainer.proof.evaluate import apply_weights, cut_completion, evaluate, generate, load_policy
-from trainer.models import build_tiny_model, load_model
+from policy.models import build_tiny_model, load_model
 from trainer.proof.tasks import FimTask, save_tasks
 
 TASKS = [FimTask(f"t{i}", prefix=p, suffix=s, middle="x") for i, (p, s) in enumerate([

@@ -2,7 +2,7 @@
 
 import pytest
 
-from serving.fim import (
+from policy.fim import (
     build_fim_prompt,
     earliest_stop,
     parse_prompt,

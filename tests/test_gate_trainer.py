@@ -23,7 +23,7 @@ SHARE = 0.5
 
 def _episodes(tok, base: str, n: int, *, held_out_accepts_a: bool) -> tuple[list, int]:
     """(events, how many of them are held out): training episodes reward A, held-out ones as asked."""
-    from trainer.models import load_model
+    from policy.models import load_model
     from trainer.policy import PolicyTrainer, Sample, UpdateConfig
 
     model, _ = load_model(base)

@@ -24,8 +24,8 @@ from schemathesis.checks import not_a_server_error
 
 from infra.bus import PRODUCER_MESSAGE_MAX_BYTES, ensure_topics
 from schemas.topics import CATALOG, COMPLETIONS, FEEDBACK, MAX_MESSAGE_BYTES
-from serving.auth import KeyStore
-from serving.fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
+from infra.auth import KeyStore
+from policy.fim import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 from serving.http import MAX_ID_CHARS, MAX_JSON_DEPTH, MAX_NAME_CHARS
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from serving.fim import build_fim_prompt
+from policy.fim import build_fim_prompt
 from streams.join import JoinConfig, JoinPipeline
 from streams.rewards import RewardSpec, RewardSpecs
 

@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tabloop", "trainer", "streams", "serving", "schemas", "infra")
+PACKAGES = ("tabloop", "serving", "trainer", "streams", "policy", "infra", "schemas")
+"""The floors, top first: a module may import only its own folder and the floors below it."""
 
 
 def module_files() -> dict[str, Path]:
@@ -96,6 +97,27 @@ def test_the_floors():
         == set()
     assert {(m, d) for m, ds in graph.items() if m.startswith("infra")
             for d in ds if d.split(".")[0] not in ("infra", "schemas")} == set()
+
+
+def floor_violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Every import from one folder into a folder above it: (module, imported)."""
+    floor = {package: PACKAGES.index(package) for package in PACKAGES}
+    return {(m, d) for m, ds in graph.items() for d in ds
+            if m.split(".")[0] != d.split(".")[0] and floor[d.split(".")[0]] <= floor[m.split(".")[0]]}
+
+
+def test_the_floor_rule_sees_an_arrow_that_runs_up():
+    graph = {"serving.app": {"policy.fim", "trainer.online"}, "policy.fim": {"serving.app", "infra.settings"},
+             "trainer.online": {"policy.fim"}, "infra.settings": set()}
+    assert floor_violations(graph) == {("policy.fim", "serving.app")}
+
+
+def test_every_arrow_between_folders_runs_down():
+    """The policy floor exists so that the front door, the join and the trainer share the model code and
+    prompt formats without importing each other upwards (function-level imports count too)."""
+    graph = import_graph()
+    assert "policy.fim" in graph["streams.join"] and "policy.models" in graph["serving.engines.transformers_engine"]
+    assert floor_violations(graph) == set()
 
 
 def test_the_readmes_folder_table_names_every_package():

@@ -126,7 +126,7 @@ def test_canary_rule():
 
 
 def test_sampling_log_probs_by_hand():
-    from trainer.losses import sampling_log_probs
+    from policy.sampling import sampling_log_probs
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     # T = 1, no cut: the softmax itself.

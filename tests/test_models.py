@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from trainer.models import (DEFAULT_MODEL, FIM_TOKENS, QWEN_SPECIAL_TOKENS, ModelLoadError, build_tiny_model,
+from policy.models import (DEFAULT_MODEL, FIM_TOKENS, QWEN_SPECIAL_TOKENS, ModelLoadError, build_tiny_model,
                             build_tokenizer, fim_token_ids, load_model)
 
 

@@ -177,7 +177,7 @@ def test_learning_with_the_exact_scorer(tiny_model, algo, one_thread):
     """Seeded: 8 single-line tasks whose answers are the same set of short strings, one-token completions,
     8 samples × 8 prompts per update, full fine-tuning. Margin: mean group reward over the last 5 of 20
     updates beats the first 5 by at least 0.3 (seen: 0.23 → 0.9 for both algorithms)."""
-    from trainer.models import load_model
+    from policy.models import load_model
     from trainer.policy import PolicyTrainer, UpdateConfig
 
     torch.manual_seed(0)
@@ -199,7 +199,7 @@ def test_learning_with_the_exact_scorer(tiny_model, algo, one_thread):
 
 
 def _learnable_tasks(tiny_model, n: int = 4) -> list[FimTask]:
-    from trainer.models import load_model
+    from policy.models import load_model
 
     model, tok = load_model(tiny_model)
     tasks = [FimTask(f"t{i}", f"def f{i}(x):\n    return ", "\n", "?") for i in range(n)]
@@ -219,7 +219,7 @@ FAST = ["--group-size", "6", "--prompts-per-update", "2", "--max-new-tokens", "1
 
 
 def test_train_offline_writes_a_version_with_its_manifest(tiny_model, tmp_path):
-    from trainer.models import load_model
+    from policy.models import load_model
     from trainer.weight_store import WeightStore
 
     data, held = tmp_path / "tasks.jsonl", tmp_path / "held.jsonl"

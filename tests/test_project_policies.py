@@ -10,7 +10,7 @@ import torch
 
 from serving.engines.base import GenerationRequest
 from tests.test_trainer_online import setup  # noqa: F401  (a fixture)
-from trainer.models import CachedDecoder, load_model
+from policy.models import CachedDecoder, load_model
 
 PROMPT = "def mean(values):\n"
 
@@ -19,7 +19,7 @@ def make_adapter(base_dir: str, out_dir, seed: int) -> str:
     """A LoRA adapter with random (non-zero) weights: a version that decodes differently from the base."""
     from peft import LoraConfig, get_peft_model
 
-    from trainer.models import lora_target_modules
+    from policy.models import lora_target_modules
 
     torch.manual_seed(seed)
     model, _ = load_model(base_dir)
@@ -172,7 +172,7 @@ def test_front_door_routes_projects_and_the_weights_commands_act_per_project(kaf
     from infra.bus import ensure_topics
     from infra.settings import to_environ
     from schemas.topics import COMPLETIONS
-    from serving.auth import KeyStore
+    from infra.auth import KeyStore
     from tabloop.cli import main
     from tests.conftest import make_settings
     from tests.serving_helpers import ThreadServer, find_events

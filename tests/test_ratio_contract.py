@@ -16,7 +16,7 @@ import pytest
 
 from serving.engines.base import GenerationRequest
 from serving.engines.transformers_engine import TransformersEngine
-from trainer.models import load_model
+from policy.models import load_model
 from trainer.policy import PolicyTrainer, Sample, UpdateConfig
 
 

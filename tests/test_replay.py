@@ -179,7 +179,7 @@ def test_replay_refuses_what_it_cannot_do(history):
 
 def test_replay_scores_with_the_tests_its_spec_weighs(tmp_path):
     """With a spec that weighs unit tests, replayed episodes get the tests component as the worker's do."""
-    from serving.fim import build_fim_prompt
+    from policy.fim import build_fim_prompt
     from streams.history.replay import score_episodes
     from streams.scoring import Scorers, UnitTestsIndex
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from serving.fim import build_fim_prompt
+from policy.fim import build_fim_prompt
 from streams.judge import JudgeClient, JudgeConfig
 from streams.rewards import RewardSpec
 from streams.scoring import Scorers, UnitTestsIndex, judge_component, on_acceptance_scale, rescored, unit_tests_component

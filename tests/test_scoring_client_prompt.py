@@ -7,7 +7,7 @@ import asyncio
 import hashlib
 import json
 
-from serving.fim import build_fim_prompt
+from policy.fim import build_fim_prompt
 from streams.rewards import RewardSpec
 from streams.scoring import Scorers, UnitTestsIndex
 

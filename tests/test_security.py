@@ -21,7 +21,7 @@ from hypothesis import HealthCheck
 from infra.bus import ensure_topics
 from schemas.events import new_event
 from schemas.topics import FEEDBACK
-from serving.auth import KeyStore
+from infra.auth import KeyStore
 from streams.join import EpisodeJoiner
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique

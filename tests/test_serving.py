@@ -11,7 +11,7 @@ import pytest
 
 from infra.bus import ensure_topics
 from schemas.topics import COMPLETIONS, FEEDBACK
-from serving.auth import KeyStore
+from infra.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique
 from tests.system_helpers import wait

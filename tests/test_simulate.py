@@ -12,7 +12,7 @@ import pytest
 from infra.bus import ensure_topics
 from schemas.topics import COMPLETIONS, FEEDBACK
 from serving import feedback
-from serving.auth import KeyStore
+from infra.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique
 from trainer.proof.simulate import (CONTINUE_STOPS, EVENT_SOURCES, SimConfig, UserModel, api_payload, completion_body,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from serving.fim import (
+from policy.fim import (
     DEFAULT_PREFIX_CHARS,
     PromptFormat,
     parse_prompt,
@@ -27,8 +27,8 @@ from serving.fim import (
     render_prompt,
 )
 from tests.conftest import make_settings
-from trainer.models import ModelLoadError, load_model, lora_target_modules
-from trainer.smollm2 import SMOLLM2, PackagedGGUF, build_packaged_model, packaged_marker
+from policy.models import ModelLoadError, load_model, lora_target_modules
+from policy.smollm2 import SMOLLM2, PackagedGGUF, build_packaged_model, packaged_marker
 
 QWEN = ("<|repo_name|>shop\n<|file_sep|>lib/a.py\nA = 1\n<|file_sep|>app.py\n"
         "<|fim_prefix|>import lib\nx = <|fim_suffix|>\nprint(x)<|fim_middle|>")
@@ -236,8 +236,8 @@ def test_gguf_wheel_converts_to_the_same_model(tiny_llama, tiny_wheel, tmp_path)
 
 
 def test_resolve_model_spec_builds_a_packaged_model_once(tiny_wheel, tmp_path, monkeypatch):
-    from trainer import smollm2
-    from trainer.named_models import resolve_model_spec
+    from policy import smollm2
+    from policy.named_models import resolve_model_spec
 
     spec, wheel = tiny_wheel
     monkeypatch.setitem(smollm2.PACKAGED_MODELS, spec.name, spec)
@@ -255,7 +255,7 @@ def test_model_command_builds_smollm2_from_the_cached_wheel(tiny_wheel, tmp_path
     from click.testing import CliRunner
 
     from tabloop.cli import main
-    from trainer import smollm2
+    from policy import smollm2
 
     spec, wheel = tiny_wheel
     monkeypatch.setitem(smollm2.PACKAGED_MODELS, "smollm2", dataclasses.replace(spec, name="smollm2"))

@@ -261,7 +261,7 @@ def test_judge_and_tests_scores_reach_the_episodes(kafka, tmp_path):
     API) and runs the task's tests in the sandbox before it publishes; the rewards are worked by hand."""
     import json
 
-    from serving.fim import build_fim_prompt
+    from policy.fim import build_fim_prompt
     from tests.test_judge import FakeJudgeAPI, Reply
 
     api = FakeJudgeAPI()

@@ -276,7 +276,7 @@ def test_up_serves_learns_restarts_and_down_leaves_nothing(tiny_model, tmp_path)
     system for all of it: each start of the whole system costs the drills' budget minutes.)"""
     # The tiny model: with none configured `up` first pretrains the demo model for 8 minutes, which ate this
     # test's whole 600 s (the README's fresh-clone `make up` is where that path was checked).
-    from serving.auth import KeyStore
+    from infra.auth import KeyStore
     from tests.test_file_modes import loose
 
     state = tmp_path / "state"

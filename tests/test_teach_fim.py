@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.fim import prompt_format, prompt_token_ids
-from trainer.models import load_model
+from policy.fim import prompt_format, prompt_token_ids
+from policy.models import load_model
 from trainer.teach_fim import TAUGHT_TOKENS, TeachFimConfig, teach_fim
 
 SOURCES = Path(__file__).resolve().parents[1] / "trainer"  # Python files to cut FIM examples from

@@ -18,7 +18,7 @@ import torch
 from infra.bus import EventProducer, ensure_topics
 from infra.settings import to_environ
 from schemas.topics import WEIGHTS
-from serving.auth import KeyStore
+from infra.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ProcessServer, find_events
 from tests.system_helpers import wait
@@ -112,7 +112,7 @@ def send_feedback(url: str, key: str, results) -> int:
 
 def make_worse(base_dir: str, out_dir) -> str:
     """A FULL version that repeats one token: the last layer's values become one huge constant."""
-    from trainer.models import load_model
+    from policy.models import load_model
 
     model, tok = load_model(base_dir)
     attn = model.model.layers[-1].self_attn

@@ -47,7 +47,7 @@ def setup(kafka, tiny_model, tmp_path):
     ensure_topics(settings)
     admin = admin_client(settings)  # kept alive until the topic exists
     admin.create_topics([NewTopic(topic, TEST_PARTITIONS, 1)])[topic].result(30)
-    from trainer.models import load_model
+    from policy.models import load_model
 
     _, tok = load_model(base)
     return settings, topic, tok, base
@@ -396,7 +396,7 @@ def _served_episode(tok, **over):
 
 def test_an_episode_is_trained_as_it_was_served(tiny_model):
     """The served prompt ids, the event's completion ids (never re-derived from the text), and the sampler."""
-    from trainer.models import load_model
+    from policy.models import load_model
     from trainer.online import episode_sample
 
     _, tok = load_model(tiny_model)
@@ -415,7 +415,7 @@ def test_an_episode_is_trained_as_it_was_served(tiny_model):
 
 
 def test_greedy_episodes_are_dropped_and_counted_not_weighed(tiny_model):
-    from trainer.models import load_model
+    from policy.models import load_model
     from trainer.online import drop_reason
 
     _, tok = load_model(tiny_model)
@@ -428,7 +428,7 @@ def test_greedy_episodes_are_dropped_and_counted_not_weighed(tiny_model):
 def test_showing_nothing_is_an_action_the_trainer_trains(tiny_model):
     """An episode that showed nothing (end of text first, the ``ignored`` reward) is trained on its one token,
     not dropped as empty: it is how the policy learns when not to show a suggestion."""
-    from trainer.models import load_model
+    from policy.models import load_model
     from trainer.online import drop_reason, episode_sample
 
     _, tok = load_model(tiny_model)

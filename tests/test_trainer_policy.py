@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer.losses import BaselineState, baseline_advantages
-from trainer.models import load_model
+from policy.models import load_model
 from trainer.policy import PolicyTrainer, Sample, UpdateConfig, make_sample, sample_completions
 from trainer.weight_store import (Manifest, WeightStore, WeightStoreError, files_sha256, fold_statuses,
                                   promoted_version, version_event)
@@ -200,7 +200,7 @@ def test_status_fold_and_promoted_version():
 def _every_token_as_a_sample(trainer, tok, prompt_ids, temperature, top_p=1.0, *, record_temperature=None):
     """Each vocabulary token as a one-token completion, its advantage V·π_T,p(a): the PPO loss over them is
     then exactly the expectation under the sampler of a constant advantage (1), with no sampling noise."""
-    from trainer.losses import sampling_log_probs
+    from policy.sampling import sampling_log_probs
 
     with torch.no_grad():
         logits = trainer.model(input_ids=torch.tensor([prompt_ids])).logits[0, -1]
@@ -236,7 +236,7 @@ def test_constant_advantage_gives_no_gradient_at_the_sampled_temperature(tiny_mo
 
 def test_sample_completions_records_the_distribution_it_draws_from(tiny_model):
     """The behaviour logprob of a drawn token is log π_T,p (what a Sample at T, p is trained against), not T = 1."""
-    from trainer.losses import sampling_log_probs
+    from policy.sampling import sampling_log_probs
 
     model, tok = load_model(tiny_model)
     prompts = [tok.encode("def f(x):\n    return", add_special_tokens=False), tok.encode("import os\n", add_special_tokens=False)]

@@ -43,7 +43,7 @@ def test_rollback_target():
 
 def test_engine_routes_a_share_to_the_candidate_and_promotes_it(tiny_model, tmp_path):
     from serving.engines.transformers_engine import TransformersEngine
-    from trainer.models import build_tiny_model
+    from policy.models import build_tiny_model
 
     other = str(build_tiny_model(tmp_path / "v7", seed=7))
     engine = TransformersEngine(tiny_model, max_batch=4)

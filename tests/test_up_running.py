@@ -16,7 +16,7 @@ from tabloop import supervisor as sv
 from infra.kafka_broker import free_port
 from infra.local import KEY_PLACEHOLDER, client_host, endpoints
 from infra.settings import to_environ
-from serving.auth import KeyStore
+from infra.auth import KeyStore
 from tests.conftest import make_settings
 from tests.system_helpers import cli as _cli
 from tests.system_helpers import processes_of as _processes_of

@@ -10,7 +10,7 @@ import pytest
 
 from infra.bus import ensure_topics
 from schemas.topics import COMPLETIONS
-from serving.auth import KeyStore
+from infra.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ProcessServer, ThreadServer, find_events
 

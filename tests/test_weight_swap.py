@@ -11,7 +11,7 @@ import pytest
 from infra.bus import EventProducer, ensure_topics
 from schemas.events import new_event
 from schemas.topics import COMPLETIONS
-from serving.auth import KeyStore
+from infra.auth import KeyStore
 from serving.weights import target_version
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events
@@ -43,7 +43,7 @@ def test_target_version_rule():
 def make_lora(base_dir: str, out_dir) -> str:
     from peft import LoraConfig, get_peft_model
 
-    from trainer.models import load_model
+    from policy.models import load_model
 
     model, _ = load_model(base_dir)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
@@ -54,7 +54,7 @@ def make_lora(base_dir: str, out_dir) -> str:
 
 @pytest.mark.kafka
 def test_swap_under_concurrent_load(kafka, tiny_model, tmp_path):
-    from trainer.models import build_tiny_model
+    from policy.models import build_tiny_model
 
     base = str(tmp_path / "base")
     shutil.copytree(tiny_model, base)  # a base model of its own: the weights topic outlives this test

@@ -18,7 +18,7 @@ def publish_sampled_episodes(settings, model_dir: str, project: str, n: int = 24
     serving records them), decided by a fixed rule: accepted when the first token's id is even."""
     from infra.bus import EventProducer, ensure_topics
     from schemas.events import new_event
-    from trainer.models import load_model
+    from policy.models import load_model
     from trainer.policy import sample_completions
 
     model, tok = load_model(model_dir)
@@ -51,7 +51,7 @@ def evaluate(settings, *args) -> dict:
 
 def test_evaluate_the_serving_policy_gives_its_logged_rates_and_another_one_is_weighed(kafka, tiny_model,
                                                                                        tmp_path):
-    from trainer.models import load_model
+    from policy.models import load_model
     from trainer.ope import LoggedOutcome, estimate
     from trainer.policy import PolicyTrainer, Sample, UpdateConfig
 

@@ -30,11 +30,11 @@ QWEN25_CODER_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8
 def _model(shape: str, settings, device: str, full: bool):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trainer.models import load_model
-    from trainer.named_models import resolve_model_spec
+    from policy.models import load_model
+    from trainer.named_models import build_named_model
 
     if shape == "tiny":
-        return load_model(resolve_model_spec(settings), device=device, dtype="float32")
+        return load_model(build_named_model(settings), device=device, dtype="float32")
     # Random weights in the real shape: what matters for speed is the shape, not the values.
     config = Qwen2Config(**QWEN25_CODER_15B)
     dtype = torch.float32 if full or not device.startswith("cuda") else torch.bfloat16

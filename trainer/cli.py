@@ -37,7 +37,7 @@ def train(ctx: click.Context, topic: str, max_versions: int | None, **offline) -
     import signal
 
     from infra.bus import broker_answers
-    from trainer.models import ModelLoadError
+    from policy.models import ModelLoadError
     from trainer.online import OnlineTrainer
 
     settings = _settings(ctx)
@@ -67,10 +67,10 @@ def weights() -> None:
 
 
 def _store_and_records(settings):
-    from trainer.named_models import resolve_model_spec
+    from trainer.named_models import build_named_model
     from trainer.weight_store import WeightStore, read_weight_records
 
-    base = resolve_model_spec(settings)
+    base = build_named_model(settings)
     return base, WeightStore(settings.effective_weight_store, base), read_weight_records(settings)
 
 

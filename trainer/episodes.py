@@ -4,7 +4,7 @@ read episodes by these same rules."""
 
 from __future__ import annotations
 
-from trainer.losses import GREEDY_TEMPERATURE
+from policy.sampling import GREEDY_TEMPERATURE
 from trainer.policy import Sample, make_sample
 
 

@@ -111,14 +111,14 @@ def update_config(settings: Settings) -> UpdateConfig:
 
 class OnlineTrainer:
     def __init__(self, settings: Settings, *, topic: str = EPISODES.name, group_id: str | None = None):
-        from trainer.models import use_torch_threads
-        from trainer.named_models import resolve_model_spec
+        from policy.models import use_torch_threads
+        from trainer.named_models import build_named_model
 
         use_torch_threads(settings.torch_threads)
         self.settings = settings
         self.topic = topic
         self.group_id = group_id or settings.trainer_group
-        self.base_model = resolve_model_spec(settings)
+        self.base_model = build_named_model(settings)
         self.store = WeightStore(settings.effective_weight_store, self.base_model)
         self.device = describe_device(settings.trainer_device)
         self.stop_event = threading.Event()
@@ -699,7 +699,7 @@ def load_policy(settings: Settings, store: WeightStore, manifest: Manifest | Non
     saved full weights loads the base a second time for it (a copy of the resumed weights would make the
     KL measure the distance from the last save, 0 after every restart).
     """
-    from trainer.models import load_model
+    from policy.models import load_model
 
     device = describe_device(settings.trainer_device)
     config = config or update_config(settings)

@@ -13,7 +13,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from trainer.losses import GREEDY_TEMPERATURE, policy_token_logprobs, sampling_log_probs
+from policy.sampling import GREEDY_TEMPERATURE, sampling_log_probs
+from trainer.losses import policy_token_logprobs
 from trainer.episodes import episode_sample, episode_sampler
 from trainer.metrics import is_empty, user_figures
 from trainer.ope import LoggedOutcome, estimate

@@ -35,9 +35,10 @@ from typing import Sequence
 
 import torch
 
-from trainer.losses import (DUAL_CLIP_RATIO, GREEDY_TEMPERATURE, entropy_from_logits, kl_k3, masked_mean,
-                            policy_token_logprobs, ppo_clipped_loss, sampling_log_probs, token_logprobs)
-from trainer.models import CachedDecoder
+from policy.models import CachedDecoder
+from policy.sampling import GREEDY_TEMPERATURE, sampling_log_probs
+from trainer.losses import (DUAL_CLIP_RATIO, entropy_from_logits, kl_k3, masked_mean, policy_token_logprobs,
+                            ppo_clipped_loss, token_logprobs)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -141,7 +142,7 @@ class PolicyTrainer:
         else:
             from peft import LoraConfig, PeftModel, get_peft_model
 
-            from trainer.models import lora_target_modules
+            from policy.models import lora_target_modules
 
             if adapter_dir is not None:
                 self.model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)

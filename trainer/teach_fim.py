@@ -1,12 +1,12 @@
 """`tabloop model teach-fim`: teach a model without FIM tokens Qwen's fill-in-the-middle template, once.
 
-SmolLM2 has no FIM tokens, so by default the front door shows it only the prefix (``serving.fim``: the
+SmolLM2 has no FIM tokens, so by default the front door shows it only the prefix (``policy.fim``: the
 "prefix" prompt format) and the code after the cursor is lost to it. This adds Qwen's three FIM tokens to
 the tokenizer (new embedding rows start at the mean of the old ones), fine-tunes LoRA adapters and those
 three rows on FIM examples cut from the standard library's train split (``trainer.proof.tasks``, the same
 cursors as evaluation, never a held-out file; a share of plain left-to-right examples so plain prompts
 still work), merges the adapters and writes a model directory. The directory's tokenizer has Qwen's FIM
-tokens, so ``serving.fim.prompt_format`` gives it Qwen's template everywhere — front door, evaluation,
+tokens, so ``policy.fim.prompt_format`` gives it Qwen's template everywhere — front door, evaluation,
 training — with no setting to change: point ``TABLOOP_MODEL`` at it.
 
 The training loop is the demo model's (``trainer.proof.demo_model.pretrain``: steps or a wall-clock cap,
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.models import FIM_TOKENS
+from policy.models import FIM_TOKENS
 
 TAUGHT_TOKENS = (FIM_TOKENS["prefix"], FIM_TOKENS["suffix"], FIM_TOKENS["middle"])
 
@@ -61,8 +61,8 @@ def teach_fim(base_dir: Path, out_dir: Path, config: TeachFimConfig = TeachFimCo
     ValueError: the base model already has FIM tokens (it needs no teaching), or no train-split file."""
     from peft import LoraConfig, get_peft_model
 
-    from serving.fim import prompt_format
-    from trainer.models import building_model_dir, load_model, lora_target_modules, write_model_marker
+    from policy.fim import prompt_format
+    from policy.models import building_model_dir, load_model, lora_target_modules, write_model_marker
     from trainer.proof.demo_model import encode_examples, pretrain, training_summary
     from trainer.proof.tasks import build_source_tasks
 

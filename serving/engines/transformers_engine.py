@@ -42,8 +42,8 @@ from typing import AsyncIterator
 import torch
 
 from serving.engines.base import Engine, GenerationRequest, TokenStep
-from trainer.losses import GREEDY_TEMPERATURE, sampling_log_probs
-from trainer.models import CachedDecoder
+from policy.sampling import GREEDY_TEMPERATURE, sampling_log_probs
+from policy.models import CachedDecoder
 
 log = logging.getLogger("tabloop.engine")
 _DONE = object()  # end of a request's token stream
@@ -144,7 +144,7 @@ class TransformersEngine(Engine):
 
     def __init__(self, model_spec: str, *, device: str = "cpu", max_batch: int = 8, batch_window_ms: float = 5.0,
                  policy_version: int = 0, max_adapters: int = 32):
-        from trainer.models import load_model, lora_target_modules
+        from policy.models import load_model, lora_target_modules
 
         self.model_name = model_spec
         self.device = device
@@ -284,12 +284,12 @@ class TransformersEngine(Engine):
                 wrapped = self._peft is not None
                 base = None if wrapped else copy.deepcopy(self._base_model)
             if wrapped:  # the base now holds adapters: a clean copy comes from where the base came from
-                from trainer.models import load_model
+                from policy.models import load_model
 
                 base, _ = load_model(self.model_name, device=self.device)
             model = PeftModel.from_pretrained(base, path).merge_and_unload()
         elif kind == "FULL":
-            from trainer.models import load_model
+            from policy.models import load_model
 
             model, _ = load_model(str(path), device=self.device)
         else:

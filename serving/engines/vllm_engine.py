@@ -30,7 +30,7 @@ import httpx
 
 from infra.settings import Settings
 from serving.engines.base import Engine, GenerationRequest, TokenStep
-from trainer.losses import GREEDY_TEMPERATURE
+from policy.sampling import GREEDY_TEMPERATURE
 
 log = logging.getLogger("tabloop.vllm")
 UNHEALTHY_FOR_S = 5.0
@@ -43,7 +43,7 @@ class VLLMEngine(Engine):
     def __init__(self, settings: Settings):
         from transformers import AutoTokenizer
 
-        from trainer.named_models import resolve_model_spec
+        from policy.named_models import resolve_model_spec
 
         urls = [u.strip().rstrip("/") for u in settings.vllm_urls.split(",") if u.strip()]
         if not urls:

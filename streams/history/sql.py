@@ -212,7 +212,7 @@ class HistoryServer:
                  status: Callable[[], dict] | None = None):
         import uvicorn
 
-        from serving.server import bind
+        from infra.http_server import bind
 
         self.socket = bind(host, port)
         self.host, self.port = host, self.socket.getsockname()[1]

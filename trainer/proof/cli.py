@@ -112,7 +112,7 @@ def simulate(ctx: click.Context, dataset: str, users: int, n_requests: int, dura
     task_list = _tasks(dataset, seed=seed, limit=limit)
     keys = list(api_keys)
     if not keys and s.auth == "keys":
-        from serving.auth import KeyStore
+        from infra.auth import KeyStore
 
         store = KeyStore(s.keys_file)
         keys = [store.add(project, f"sim-{i}") for i in range(users)]
@@ -196,7 +196,7 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
 
     from trainer.proof.evaluate import evaluate, load_policy, scorer_reward_spec
     from trainer.metrics import markdown_table
-    from trainer.models import ModelLoadError
+    from policy.models import ModelLoadError
 
     s = _settings(ctx)
     judge_config = None

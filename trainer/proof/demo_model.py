@@ -5,7 +5,7 @@ this is the model a newcomer gets from ``make up`` when no model is
 configured: completions that look like Python, and plenty of room for the
 online trainer to make them better.
 
-What it is: the byte-level BPE tokenizer of ``trainer.models`` (Qwen2.5-Coder's
+What it is: the byte-level BPE tokenizer of ``policy.models`` (Qwen2.5-Coder's
 special and FIM tokens) and a Qwen2 of a couple of million parameters, trained
 on FIM tasks from the train split of the standard library
 (``trainer.proof.tasks.build_source_tasks``) — the same kind of cursor, inside a real
@@ -34,7 +34,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from trainer.models import FIM_TOKENS, MODEL_MARKER, build_tokenizer, building_model_dir, write_model_marker
+from policy.models import FIM_TOKENS, MODEL_MARKER, build_tokenizer, building_model_dir, write_model_marker
 from trainer.proof.tasks import FimTask, build_source_tasks, source_files, split_of
 
 IGNORE_INDEX = -100

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from serving.fim import earliest_stop, prompt_format, prompt_token_ids
+from policy.fim import earliest_stop, prompt_format, prompt_token_ids
 from streams.rewards import RewardSpec
 from trainer.metrics import Scored, summarize, user_figures
 from trainer.proof.simulate import CONTINUE_STOPS, UserModel, decision_rows, single_line_mode
@@ -55,10 +55,10 @@ def load_policy(settings, policy: str | None = None, *, model_spec: str | None =
     """(model, tokenizer, label) for ``policy``: None or "0" → the base model; a version number → that
     version from ``tabloop.weights``; a directory → its weights (a LoRA adapter if it has
     adapter_config.json, else a full model)."""
-    from trainer.models import load_model
-    from trainer.named_models import resolve_model_spec
+    from policy.models import load_model
+    from trainer.named_models import build_named_model
 
-    base_spec = model_spec or resolve_model_spec(settings)
+    base_spec = model_spec or build_named_model(settings)
     model, tokenizer = load_model(base_spec, device=device)
     if policy is None or policy == "0":
         return model, tokenizer, f"{Path(base_spec).name or base_spec} (base)"
@@ -98,7 +98,7 @@ def apply_weights(base: torch.nn.Module, uri: str, kind: str, device: str = "cpu
 
         return PeftModel.from_pretrained(copy.deepcopy(base), path).merge_and_unload().eval()
     if kind == "FULL":
-        from trainer.models import load_model
+        from policy.models import load_model
 
         return load_model(path, device=device)[0]
     raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")

@@ -126,7 +126,7 @@ def shown_token_count(decoded_prefixes: Sequence[str], *, single_line: bool, sto
     stop is part of the action; everything after it is dropped. No stop: all
     tokens count.
     """
-    from serving.fim import earliest_stop
+    from policy.fim import earliest_stop
 
     for n, text in enumerate(decoded_prefixes):
         if earliest_stop(text, stops) >= 0 or (single_line and "\n" in text):
@@ -139,8 +139,8 @@ def shown_token_count(decoded_prefixes: Sequence[str], *, single_line: bool, sto
 
 def prompt_ids(tokenizer, task: FimTask, max_prompt_tokens: int) -> list[int]:
     """The task's prompt in the model's own format, as token ids trimmed to the budget, as the front door
-    renders and trims it (``serving.fim.prompt_token_ids``)."""
-    from serving.fim import prompt_token_ids
+    renders and trims it (``policy.fim.prompt_token_ids``)."""
+    from policy.fim import prompt_token_ids
 
     budget = min(max_prompt_tokens, getattr(tokenizer, "model_max_length", max_prompt_tokens) or max_prompt_tokens)
     return prompt_token_ids(tokenizer, task.fim_prompt(), budget)[0]
@@ -237,7 +237,7 @@ class OfflineConfig:
                              f"got {self.group_size}")
         if self.prompts_per_update < 1:
             raise ValueError(f"--prompts-per-update must be at least 1, got {self.prompts_per_update}")
-        from trainer.losses import GREEDY_TEMPERATURE
+        from policy.sampling import GREEDY_TEMPERATURE
 
         if self.temperature <= GREEDY_TEMPERATURE:
             raise ValueError(f"--temperature must be above {GREEDY_TEMPERATURE} (greedy completions carry no "
@@ -391,7 +391,7 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
     """The whole offline run; returns the summary ``tabloop train --offline`` prints as its last line."""
     import torch
 
-    from trainer.named_models import resolve_model_spec
+    from trainer.named_models import build_named_model
     from trainer.proof.tasks import resolve_dataset
     from trainer.weight_store import WeightStore
 
@@ -425,7 +425,7 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
 
         publish = publish_decision(run.publish, broker_answers(settings), settings.kafka_bootstrap)
 
-    base = resolve_model_spec(settings)
+    base = build_named_model(settings)
     store = WeightStore(settings.effective_weight_store, base)
     policy, parent = load_current_policy(settings, store, lr=run.lr, full=run.full)
     version = parent.version if parent else 0

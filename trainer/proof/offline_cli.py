@@ -86,7 +86,7 @@ def offline_requested(ctx: click.Context, params: dict) -> bool:
 
 def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> None:
     """``tabloop train --offline …``: progress on stderr, the run's summary as the last stdout line (JSON)."""
-    from trainer.models import ModelLoadError
+    from policy.models import ModelLoadError
     from trainer.proof.offline import OfflineConfig, OfflineRun, run_offline
     from trainer.proof.cli import user_from_options
     from trainer.proof.tasks import TaskFormatError

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import httpx
 
-from serving.fim import QWEN_STOP_WORDS
+from policy.fim import QWEN_STOP_WORDS
 from trainer.metrics import edit_similarity
 from trainer.proof.tasks import FimTask, first_line
 

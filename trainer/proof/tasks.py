@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from serving.fim import FILE_SEP, REPO_NAME, build_fim_prompt, parse_prompt
+from policy.fim import FILE_SEP, REPO_NAME, build_fim_prompt, parse_prompt
 
 STDLIB_REPO = "cpython-stdlib"
 # Directories of the standard library that aren't ordinary code: test suites
@@ -106,7 +106,7 @@ def continue_prompt(prefix: str, suffix: str, *, repo: str | None = None, filepa
                     context_files: Sequence[tuple[str, str]] = ()) -> str:
     """Continue's Qwen prompt with context: repo name, a file per snippet, then the current file's FIM part.
 
-    ``serving.fim.parse_prompt`` reads it back into the same parts.
+    ``policy.fim.parse_prompt`` reads it back into the same parts.
     """
     head = f"{REPO_NAME}{repo or ''}\n"
     for path, text in context_files:

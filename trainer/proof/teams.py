@@ -159,7 +159,7 @@ def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
 
     from streams.rewards import RewardSpec
     from trainer.metrics import user_figures
-    from trainer.models import load_model
+    from policy.models import load_model
     from trainer.policy import PolicyTrainer, UpdateConfig
     from trainer.proof.evaluate import evaluate
     from trainer.proof.offline import OfflineConfig, offline_update

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.models import MODEL_MARKER, ModelLoadError, building_model_dir, write_model_marker
+from policy.models import MODEL_MARKER, ModelLoadError, building_model_dir, write_model_marker
 
 
 @dataclass(frozen=True)

