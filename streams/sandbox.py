@@ -164,6 +164,15 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
 
 _LINUX = sys.platform.startswith("linux")
+_SECCOMP_ARCH = _LINUX and os.uname().machine == "x86_64"  # the filter below is written for x86_64's syscalls
+
+# Every layer there is, by our privileges: a result's ``missing`` names those of these it did not get.
+FULL_AS_ROOT = REQUIRED_AS_ROOT | {"dev", "sys", "seccomp", "cgroup"}
+FULL_UNPRIVILEGED = REQUIRED_UNPRIVILEGED | {"seccomp", "cgroup"}
+# A private /dev holds these, bound from the host's; nothing else (no ptmx, no pts, no disks).
+DEV_NODES = ("null", "zero", "random", "urandom")
+MAX_OPEN_FILES = 64         # RLIMIT_NOFILE of each process of a run (× the run's process cap: all its files)
+_MESSAGE_BYTES = 16 * 2**20  # the most one message between the tests and the program may hold
 
 
 class SandboxUnavailable(RuntimeError):
@@ -193,6 +202,8 @@ class SandboxResult:
     stderr: str
     isolation: tuple[str, ...] = ()
     uid: int | None = None  # the uid it ran as, when we dropped to one
+    missing: tuple[str, ...] = ()  # the layers of the full set (``full_isolation()``) this run did not get
+    verdict: str = "nonce"  # "trusted": the tests ran in a process of their own; "nonce": see the docstring
 
     @property
     def network_isolated(self) -> bool:
@@ -201,14 +212,19 @@ class SandboxResult:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a run asks the OS for: the namespaces, and whether to drop to a uid of its own (as root)."""
+    """What a run asks the OS for: the namespaces, whether to drop to a uid of its own (as root), and
+    whether to harden it (a private /dev and no /sys, with a mount namespace; the seccomp filter)."""
 
     namespaces: tuple[str, ...]
     drop: bool
+    hardened: bool = False
 
     @property
     def isolation(self) -> tuple[str, ...]:
-        return (("uid",) if self.drop else ()) + self.namespaces + ("rlimits",)
+        extra: tuple[str, ...] = ()
+        if self.hardened:
+            extra = (("dev", "sys") if "mnt" in self.namespaces else ()) + (("seccomp",) if _SECCOMP_ARCH else ())
+        return (("uid",) if self.drop else ()) + self.namespaces + ("rlimits",) + extra
 
 
 _plans: dict[str, _Plan] = {}
@@ -334,6 +350,146 @@ def _uid_lock_dir() -> str:
     return directory
 
 
+# -- one budget per run: a cgroup ----------------------------------------------------------------
+
+_cgroup_warned: list[str] = []
+
+
+def _cgroup_mounts() -> dict[str, str]:
+    """Where each cgroup hierarchy is mounted: "unified" for cgroup v2, else the v1 controller's name."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        if tail[0] == "cgroup2":
+            found.setdefault("unified", fields[4])
+        elif tail[0] == "cgroup":
+            for option in tail[2].split(","):
+                if option in ("memory", "pids"):
+                    found.setdefault(option, fields[4])
+    return found
+
+
+def _own_cgroups() -> dict[str, str]:
+    """Our cgroup in each hierarchy, from /proc/self/cgroup: "unified" (v2) and v1 controllers by name."""
+    own: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f.read().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                own["unified"] = path
+            for c in controllers.split(","):
+                if c in ("memory", "pids"):
+                    own[c] = path
+    return own
+
+
+class RunCgroup:
+    """A cgroup for one run (memory, swap and processes capped for all of its processes together): v2 where
+    our cgroup delegates the memory and pids controllers, else v1's memory and pids hierarchies where we may
+    write them (root). ``make`` returns None, and says why once, when neither is possible here."""
+
+    def __init__(self, dirs: list[str], version: int):
+        self.dirs, self.version = dirs, version
+
+    @classmethod
+    def make(cls, memory_bytes: int, max_processes: int) -> "RunCgroup | None":
+        if not _LINUX:
+            return None
+        name = f"tabloop-sandbox-{os.getpid()}-{secrets.token_hex(6)}"
+        made: list[str] = []
+        try:
+            mounts, own = _cgroup_mounts(), _own_cgroups()
+            v2 = os.path.join(mounts.get("unified", "/nonexistent"), own.get("unified", "/").lstrip("/"))
+            delegated = set()
+            with contextlib.suppress(OSError):
+                with open(os.path.join(v2, "cgroup.subtree_control")) as f:
+                    delegated = set(f.read().split())
+            if {"memory", "pids"} <= delegated:
+                path = os.path.join(v2, name)
+                os.mkdir(path, 0o700)
+                made.append(path)
+                group = cls(made, 2)
+                group._write(path, "memory.max", memory_bytes)
+                with contextlib.suppress(FileNotFoundError):  # no swap accounting: no swap to take
+                    group._write(path, "memory.swap.max", 0)
+                group._write(path, "pids.max", max_processes)
+                return group
+            if "memory" in mounts and "pids" in mounts:
+                for controller in ("memory", "pids"):
+                    path = os.path.join(mounts[controller], own.get(controller, "/").lstrip("/"), name)
+                    os.mkdir(path, 0o700)
+                    made.append(path)
+                group = cls(made, 1)
+                group._write(made[0], "memory.limit_in_bytes", memory_bytes)
+                with contextlib.suppress(FileNotFoundError):  # memsw: memory and swap together
+                    group._write(made[0], "memory.memsw.limit_in_bytes", memory_bytes)
+                group._write(made[1], "pids.max", max_processes)
+                return group
+            raise OSError("no cgroup v2 delegation of memory and pids, and no cgroup v1 memory and pids "
+                          "hierarchies")
+        except OSError as e:
+            for path in reversed(made):
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            if not _cgroup_warned:
+                _cgroup_warned.append(str(e))
+                log.warning("sandbox: no cgroup for the runs (%s): a run's processes are capped one by one "
+                            "(memory × processes bound their sum)", e)
+            return None
+
+    @staticmethod
+    def _write(path: str, name: str, value: int) -> None:
+        with open(os.path.join(path, name), "w") as f:
+            f.write(f"{value}\n")
+
+    @property
+    def procs_files(self) -> list[str]:
+        """Where the bootstrap writes its pid, so that it and all it starts are in the cgroup."""
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+    def oom_kills(self) -> int:
+        """How many of the run's processes the kernel killed for the memory cap."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            with open(os.path.join(self.dirs[0], name)) as f:
+                for line in f.read().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def close(self) -> None:
+        """Kill whatever is still in it and remove it."""
+        give_up = time.monotonic() + _KILL_WAIT_S
+        for path in self.dirs:
+            while True:
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > give_up:
+                        log.error("sandbox: cgroup %s still has processes; left behind", path)
+                        break
+                with contextlib.suppress(OSError):
+                    with open(os.path.join(path, "cgroup.procs")) as f:
+                        for pid in f.read().split():
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.005)
+
+
 # -- choosing what the OS allows ---------------------------------------------------------------
 
 def _resolve_python(python: str) -> str | None:
@@ -346,10 +502,12 @@ def _candidate_plans() -> list[_Plan]:
     if not _LINUX:
         return [_Plan((), True), _Plan((), False)] if os.geteuid() == 0 else [_Plan((), False)]
     if os.geteuid() == 0:
-        return [_Plan(("mnt", "pid", "net", "ipc"), True), _Plan(("mnt", "net"), True),
+        return [_Plan(("mnt", "pid", "net", "ipc"), True, True), _Plan(("mnt", "pid", "net", "ipc"), True),
+                _Plan(("mnt", "net"), True),
                 _Plan(("net",), True), _Plan((), True), _Plan((), False)]
     # Unprivileged: a user namespace (if the kernel lets us) gives the others; no uid to drop to.
-    return [_Plan(("user", "pid", "net", "ipc"), False), _Plan(("user", "net"), False), _Plan((), False)]
+    return [_Plan(("user", "pid", "net", "ipc"), False, True), _Plan(("user", "pid", "net", "ipc"), False),
+            _Plan(("user", "net"), False), _Plan((), False)]
 
 
 def _probe(plan: _Plan, python: str) -> SandboxResult:
@@ -464,23 +622,31 @@ def _minimal_env(workdir: str) -> dict[str, str]:
 
 def _execute(program: str, tests: str | None, plan: _Plan, python: str, uid: int | None, gid: int | None, *,
              timeout_s: float, memory_bytes: int, max_file_bytes: int, max_processes: int, max_output_bytes: int,
-             must_reach_end: bool) -> SandboxResult:
+             must_reach_end: bool, max_open_files: int = MAX_OPEN_FILES) -> SandboxResult:
     """Run ``program`` then ``tests`` under ``plan`` (as ``uid``:``gid`` if it drops): write them to a
-    fresh directory, start the bootstrap, supervise."""
+    fresh directory, start the bootstrap (and, with ``tests``, the judge that runs them), supervise."""
+    trusted = tests is not None
     nonce = secrets.token_hex(_NONCE_BYTES).encode()
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="tabloop-sandbox-"))
     control_r, control_w = os.pipe()
-    nonce_r, nonce_w = os.pipe()
-    result_r, result_w = os.pipe()
-    fds = [control_r, control_w, nonce_r, nonce_w, result_r, result_w]
+    if trusted:  # calls from the judge to the program, answers back, the judge's verdict to us
+        (program_in, judge_out), (judge_in, program_out), (result_r, result_w) = os.pipe(), os.pipe(), os.pipe()
+        fds = [control_r, control_w, program_in, judge_out, judge_in, program_out, result_r, result_w]
+    else:
+        (program_in, nonce_w), (result_r, program_out) = os.pipe(), os.pipe()
+        fds = [control_r, control_w, program_in, nonce_w, result_r, program_out]
+    cgroup = RunCgroup.make(memory_bytes, max_processes) if _LINUX else None
+    judge = None
     try:
-        # The nonce waits in a pipe whose only reader is the harness, which takes it before the program
-        # runs; it is never in a file, an argument or the environment.
-        os.write(nonce_w, nonce)
-        os.close(nonce_w)
-        fds.remove(nonce_w)
+        if not trusted:
+            # The nonce waits in a pipe whose only reader is the harness, which takes it before the program
+            # runs; it is never in a file, an argument or the environment.
+            os.write(nonce_w, nonce)
+            os.close(nonce_w)
+            fds.remove(nonce_w)
         files = []
-        for name, source in ((PROGRAM_NAME, program), (TESTS_NAME, tests or "")):
+        # With a judge the tests never enter the sandbox: the program can't read what they expect.
+        for name, source in ((PROGRAM_NAME, program),) + (() if trusted else ((TESTS_NAME, tests or ""),)):
             path = os.path.join(workdir, name)
             with open(path, "w", encoding="utf-8") as f:
                 f.write(source)
@@ -494,73 +660,147 @@ def _execute(program: str, tests: str | None, plan: _Plan, python: str, uid: int
             else:  # no tmpfs of its own: it works in the real directory, which must be its own
                 os.chown(workdir, uid, gid)
         cpu_s = math.ceil(timeout_s) + 1
-        argv = [python, "-s", "-B", "-c", _HARNESS, os.path.join(workdir, PROGRAM_NAME),
-                os.path.join(workdir, TESTS_NAME), str(nonce_r), str(result_w)]
+        if trusted:
+            argv = [python, "-s", "-B", "-c", _SERVER, os.path.join(workdir, PROGRAM_NAME), str(program_in),
+                    str(program_out), str(_MESSAGE_BYTES)]
+        else:
+            argv = [python, "-s", "-B", "-c", _HARNESS, os.path.join(workdir, PROGRAM_NAME),
+                    os.path.join(workdir, TESTS_NAME), str(program_in), str(program_out)]
         config = {
             "python": python, "argv": argv, "workdir": workdir, "files": files,
             "namespaces": list(plan.namespaces), "uid": uid if plan.drop else None, "gid": gid if plan.drop else None,
             "hides": hides, "keeps": keeps, "scratch_bytes": max_file_bytes,
-            "limits": {"as": memory_bytes, "fsize": max_file_bytes, "nproc": max_processes, "cpu": cpu_s},
-            "control_fd": control_w, "program_fds": [nonce_r, result_w], "parent_pid": os.getpid(),
+            "limits": {"as": memory_bytes, "fsize": max_file_bytes, "nproc": max_processes, "cpu": cpu_s,
+                       "nofile": max_open_files},
+            "control_fd": control_w, "program_fds": [program_in, program_out], "parent_pid": os.getpid(),
+            "hardened": plan.hardened and "mnt" in plan.namespaces, "seccomp": plan.hardened and _SECCOMP_ARCH,
+            "cgroup_procs": cgroup.procs_files if cgroup else [],
         }
+        isolation = plan.isolation + (("cgroup",) if cgroup else ())
         bootstrap = [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), json.dumps(config)]
         start = time.monotonic()
         try:
             proc = subprocess.Popen(bootstrap, cwd=workdir, env=_minimal_env(workdir), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=(control_w, nonce_r, result_w), start_new_session=True)
+                                    pass_fds=(control_w, program_in, program_out), start_new_session=True)
+            if trusted:
+                judge_dir = os.path.join(workdir, "judge")  # not the program's: its workdir is a tmpfs of its own
+                os.mkdir(judge_dir, 0o700)
+                judge = subprocess.Popen(
+                    [python, "-I", "-B", "-c", _JUDGE, str(judge_out), str(judge_in), str(result_w),
+                     "1" if must_reach_end else "0", str(_MESSAGE_BYTES), str(max(2 * memory_bytes, 2**30)),
+                     str(cpu_s)],
+                    cwd=judge_dir, env=_minimal_env(judge_dir), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, pass_fds=(judge_out, judge_in, result_w), start_new_session=True)
         except (OSError, subprocess.SubprocessError) as e:
+            if "proc" in locals():
+                _kill_tree(proc)
             return SandboxResult(False, "error", None, 0.0, "", f"[sandbox] could not start: {e}",
-                                 plan.isolation, config["uid"])
-        for fd in (control_w, nonce_r, result_w):
+                                 isolation, config["uid"], _missing(isolation), "trusted" if trusted else "nonce")
+        for fd in (control_w, program_in, program_out) + ((judge_out, judge_in, result_w) if trusted else ()):
             os.close(fd)
             fds.remove(fd)
-        return _supervise(proc, control_r, result_r, nonce, plan, config["uid"], start=start, timeout_s=timeout_s,
-                          max_output_bytes=max_output_bytes, must_reach_end=must_reach_end)
+        if judge is not None:
+            with contextlib.suppress(OSError):  # a judge that died at once says so on its stderr
+                judge.stdin.write(tests.encode("utf-8", "surrogateescape"))
+            with contextlib.suppress(OSError):
+                judge.stdin.close()
+        return _supervise(proc, control_r, result_r, nonce, isolation, config["uid"], start=start,
+                          timeout_s=timeout_s, max_output_bytes=max_output_bytes, must_reach_end=must_reach_end,
+                          judge=judge, cgroup=cgroup)
     finally:
+        if judge is not None and judge.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(judge.pid, signal.SIGKILL)
+            judge.wait()
+        if cgroup is not None:
+            cgroup.close()
         for fd in fds:
             os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(proc: subprocess.Popen, control_r: int, result_r: int, nonce: bytes, plan: _Plan, uid: int | None,
-               *, start: float, timeout_s: float, max_output_bytes: int, must_reach_end: bool) -> SandboxResult:
-    """Collect the output until the program ends or its time is up, then leave nothing running."""
+def _missing(isolation: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted((FULL_AS_ROOT if os.geteuid() == 0 else FULL_UNPRIVILEGED) - set(isolation)))
+
+
+def _supervise(proc: subprocess.Popen, control_r: int, result_r: int, nonce: bytes, isolation: tuple[str, ...],
+               uid: int | None, *, start: float, timeout_s: float, max_output_bytes: int, must_reach_end: bool,
+               judge: subprocess.Popen | None = None, cgroup: RunCgroup | None = None) -> SandboxResult:
+    """Collect the output until the program ends (with a judge: until the judge has its verdict) or the time
+    is up, then leave nothing running."""
     out, err = _CappedBuffer(max_output_bytes), _CappedBuffer(max_output_bytes)
     control, verdict = _CappedBuffer(4096), _CappedBuffer(4096)
+    judge_out, judge_err = _CappedBuffer(max_output_bytes), _CappedBuffer(max_output_bytes)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, control_r: control}
+    if judge is not None:
+        sinks.update({judge.stdout.fileno(): judge_out, judge.stderr.fileno(): judge_err, result_r: verdict})
     deadline = start + timeout_s
     timed_out = False
+    ended_first = False  # the program ended before the judge's verdict
     with selectors.DefaultSelector() as sel:
         for fd in sinks:
             sel.register(fd, selectors.EVENT_READ)
-        while control_r in sinks and b"exit " not in control.head:
+
+        def running() -> bool:
+            if judge is not None:
+                return result_r in sinks  # the judge holds its end until it exits
+            return control_r in sinks and b"exit " not in control.head
+
+        while running():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = True
                 break
             _pump(sel, sinks, remaining)
         duration = time.monotonic() - start
+        if judge is not None:
+            ended_first = b"exit " in control.head
+            # The judge hung up: the program reads the end of its calls and exits; a moment for that.
+            grace = min(time.monotonic() + 1.0, deadline + 1.0)
+            while control_r in sinks and b"exit " not in control.head and time.monotonic() < grace:
+                _pump(sel, sinks, grace - time.monotonic())
         _kill_tree(proc)
-        sinks[result_r] = verdict
-        sel.register(result_r, selectors.EVENT_READ)
+        if judge is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(judge.pid, signal.SIGKILL)
+            judge.wait()
+        else:
+            sinks[result_r] = verdict
+            sel.register(result_r, selectors.EVENT_READ)
         drain_until = time.monotonic() + _DRAIN_S
         while sinks and time.monotonic() < drain_until:  # every writer is dead: this is quick
             _pump(sel, sinks, drain_until - time.monotonic())
-    proc.stdout.close()
-    proc.stderr.close()
+    for stream in (proc.stdout, proc.stderr) + ((judge.stdout, judge.stderr) if judge is not None else ()):
+        stream.close()
 
     lines = control.text().splitlines()
     failure = next((line[5:] for line in lines if line.startswith("fail ")), None)
     status = next((int(line[5:]) for line in lines if line.startswith("exit ") and line[5:].isdigit()), None)
     exit_code = os.waitstatus_to_exitcode(status) if status is not None else proc.returncode
+    oom = cgroup.oom_kills() if cgroup is not None else 0
     notes = []
-    if failure is not None or (status is None and not timed_out):
+    if failure is not None or (status is None and not timed_out and judge is None):
         outcome, exit_code = "error", None
         notes.append(f"[sandbox] could not run the program: {failure or f'bootstrap exited {proc.returncode}'}")
     elif timed_out:
         outcome = "timeout"
         notes.append(f"[sandbox] killed after {timeout_s:g}s")
+    elif judge is not None:
+        # The verdict is the judge's alone: the tests' own code, run outside the sandbox, over plain data.
+        if bytes(verdict.head) == b"passed\n" and judge.returncode == 0:
+            outcome = "passed"
+        elif oom:
+            outcome = "memory"
+            notes.append(f"[sandbox] the run went over its memory cap ({oom} process(es) killed for it)")
+        elif ended_first and exit_code is not None and exit_code < 0:
+            outcome = "timeout" if -exit_code == signal.SIGXCPU else "killed"
+            notes.append(f"[sandbox] killed by signal {_signal_name(-exit_code)}")
+        elif judge.returncode not in (0, None) and not verdict.total:
+            outcome = "timeout" if judge.returncode == -signal.SIGXCPU else "failed"
+            notes.append(f"[sandbox] the tests' process ended without a verdict (status {judge.returncode})")
+        else:
+            outcome = "memory" if b"MemoryError" in err.tail or b"MemoryError" in err.head[-_TAIL_BYTES:] else "failed"
     elif exit_code == 0:
         # Exactly the nonce: anything else written to the result pipe (guesses, junk) is a failure too.
         if not must_reach_end or (verdict.total == len(nonce) and bytes(verdict.head) == nonce):
@@ -570,15 +810,16 @@ def _supervise(proc: subprocess.Popen, control_r: int, result_r: int, nonce: byt
             notes.append("[sandbox] the program exited 0 but the harness did not see the tests run to their end "
                          "(sys.exit? os._exit? tampering?)")
     elif exit_code < 0:
-        outcome = "timeout" if -exit_code == signal.SIGXCPU else "killed"
-        notes.append(f"[sandbox] killed by signal {_signal_name(-exit_code)}")
+        outcome = "timeout" if -exit_code == signal.SIGXCPU else ("memory" if oom else "killed")
+        notes.append(f"[sandbox] killed by signal {_signal_name(-exit_code)}"
+                     + (" (the run went over its memory cap)" if oom else ""))
     else:
         outcome = "memory" if b"MemoryError" in err.tail or b"MemoryError" in err.head[-_TAIL_BYTES:] else "failed"
-    stderr = err.text()
+    stdout, stderr = out.text() + judge_out.text(), err.text() + judge_err.text()
     if notes:
         stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes) + "\n"
-    return SandboxResult(outcome == "passed", outcome, exit_code, round(duration, 3), out.text(), stderr,
-                         plan.isolation, uid)
+    return SandboxResult(outcome == "passed", outcome, exit_code, round(duration, 3), stdout, stderr,
+                         isolation, uid, _missing(isolation), "trusted" if judge is not None else "nonce")
 
 
 def _pump(sel: selectors.BaseSelector, sinks: dict[int, _CappedBuffer], timeout: float) -> None:
@@ -755,6 +996,320 @@ _tabloop_sandbox_harness()
 _END_LINE = "    go.release(); done.acquire()  # the end: the verdict thread checks that this is the line we are on"
 assert _HARNESS.count(_END_LINE) == 1
 _HARNESS = _HARNESS.replace("END_LINE", str(_HARNESS.splitlines().index(_END_LINE) + 1), 1)
+_HOOK_SOURCE = "\n" + _HARNESS[_HARNESS.index("def _tabloop_sandbox_hook("):_HARNESS.index("def _tabloop_sandbox_seal(")]
+
+
+# -- the trusted verdict: the tests in a process of their own, the program answering their calls ----
+
+# Both sides speak in messages: 4 bytes of length (big-endian), then JSON. Values cross as plain data:
+# None, bools, ints and strings as themselves; floats {"f": repr}, lists {"l": […]}, tuples {"t": […]},
+# sets {"s": […]}, frozensets {"fs": […]}, dicts {"d": [[k, v], …]}, bytes {"b": base64}, complex {"c": [re, im]};
+# anything else the program has stays in the program, named by a handle {"h": n, "r": "TypeName"}.
+_WIRE = r"""
+import base64 as _b64, json as _json, os as _os, struct as _struct
+
+
+def _send(fd, obj):
+    data = _json.dumps(obj, separators=(",", ":")).encode()
+    data = _struct.pack(">I", len(data)) + data
+    while data:
+        data = data[_os.write(fd, data):]
+
+
+def _recv(fd, limit):
+    def exactly(n):
+        buf = b""
+        while len(buf) < n:
+            chunk = _os.read(fd, min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise EOFError("the other side is gone")
+            buf += chunk
+        return buf
+    (n,) = _struct.unpack(">I", exactly(4))
+    if n > limit:
+        raise ValueError(f"a message of {n} bytes (at most {limit})")
+    return _json.loads(exactly(n))
+"""
+
+# The program's side (untrusted: nothing here is believed by anyone). It runs the program as __main__,
+# sends what the program defined, then answers the tests' calls until they hang up.
+_SERVER = _WIRE + _HOOK_SOURCE + r"""
+
+def _tabloop_sandbox_server():
+    import builtins, sys, traceback, types
+    program_path, call_fd, reply_fd, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    handles = []
+
+    def enc(x, depth=0):
+        if depth > 100:
+            raise ValueError("nests too deep")
+        if x is None or isinstance(x, (bool, str)):
+            return str(x) if isinstance(x, str) else x
+        if isinstance(x, int):
+            return int(x)
+        if isinstance(x, float):
+            return {"f": repr(float(x))}
+        if isinstance(x, complex):
+            return {"c": [repr(x.real), repr(x.imag)]}
+        if isinstance(x, (bytes, bytearray)):
+            return {"b": _b64.b64encode(bytes(x)).decode()}
+        for kind, tag in ((list, "l"), (tuple, "t"), (frozenset, "fs"), (set, "s")):
+            if isinstance(x, kind):
+                return {tag: [enc(i, depth + 1) for i in x]}
+        if isinstance(x, dict):
+            return {"d": [[enc(k, depth + 1), enc(v, depth + 1)] for k, v in x.items()]}
+        if isinstance(x, types.ModuleType):
+            return {"m": x.__name__}
+        handles.append(x)
+        return {"h": len(handles) - 1, "r": type(x).__name__}
+
+    def dec(v):
+        if isinstance(v, dict):
+            (tag, x), = v.items()
+            if tag == "h":
+                return handles[x]
+            if tag == "f":
+                return float(x)
+            if tag == "c":
+                return complex(float(x[0]), float(x[1]))
+            if tag == "b":
+                return _b64.b64decode(x)
+            if tag == "d":
+                return {dec(k): dec(w) for k, w in x}
+            return {"l": list, "t": tuple, "s": set, "fs": frozenset}[tag](dec(i) for i in x)
+        return v
+
+    with open(program_path, "rb") as f:
+        source = f.read()
+    main = types.ModuleType("__main__")
+    namespace = main.__dict__
+    namespace.update(__file__=program_path, __builtins__=builtins)
+    sys.modules["__main__"] = main
+    sys.argv = [program_path]
+    sys.addaudithook(_tabloop_sandbox_hook)
+    try:
+        exec(compile(source, program_path, "exec", dont_inherit=True), namespace)
+        names = {k: enc(v) for k, v in list(namespace.items()) if not (k.startswith("__") and k.endswith("__"))}
+    except BaseException as e:
+        traceback.print_exc()
+        _send(reply_fd, {"failed": f"{type(e).__name__}: {e}"[:2000]})
+        raise SystemExit(1)
+    _send(reply_fd, {"names": names})
+    while True:
+        try:
+            request = _recv(call_fd, limit)
+        except EOFError:
+            return
+        op, target = request["op"], handles[request["h"]]
+        args = [dec(a) for a in request.get("args", ())]
+        try:
+            if op == "call":
+                value = target(*args, **{k: dec(v) for k, v in request.get("kwargs", {}).items()})
+            elif op == "getattr":
+                value = getattr(target, request["name"])
+            elif op == "getitem":
+                value = target[args[0]]
+            elif op == "len":
+                value = len(target)
+            elif op == "list":
+                value = list(target)
+            elif op == "repr":
+                value = repr(target)
+            else:
+                raise ValueError(f"no such operation: {op}")
+            reply = {"value": enc(value), "after": [enc(a) for a in args]}
+        except Exception as e:
+            reply = {"raised": [type(e).__name__, str(e)[:2000]]}
+        _send(reply_fd, reply)
+
+
+_tabloop_sandbox_server()
+"""
+
+# The tests' side: trusted, outside every namespace of the program, reached only by the pipe. The tests
+# run here; what the program defined is here as plain data (a copy) or as a handle whose calls go to the
+# program and whose answers come back as plain data, made here by a decoder that builds built-in types
+# only. So every comparison the tests make runs code of ours over values of ours: the program can give
+# wrong answers, but not a pass. The verdict goes to the scorer on a pipe the program never had.
+_JUDGE = _WIRE + r"""
+
+import builtins, importlib, sys, traceback
+
+
+class _ProgramGone(BaseException):
+    # Not an Exception: test code's `except Exception` must not swallow the program's end.
+    pass
+
+
+def _main():
+    call_fd, reply_fd, verdict_fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    must_reach_end, limit = sys.argv[4] == "1", int(sys.argv[5])
+    broken = []
+    tests = compile(sys.stdin.read(), "tests.py", "exec", dont_inherit=True)
+
+    def dec(v, depth=0):
+        if depth > 100:
+            raise ValueError("nests too deep")
+        if v is None or type(v) in (bool, int, str):
+            return v
+        if type(v) is dict and len(v) in (1, 2):
+            tag = next(iter(v))
+            x = v[tag]
+            if tag == "h" and type(x) is int:
+                return Remote(x, str(v.get("r", "object")))
+            if len(v) == 1:
+                if tag == "f" and type(x) is str:
+                    return float(x)
+                if tag == "c" and type(x) is list and len(x) == 2:
+                    return complex(float(x[0]), float(x[1]))
+                if tag == "b" and type(x) is str:
+                    return _b64.b64decode(x, validate=True)
+                if tag in ("l", "t", "s", "fs") and type(x) is list:
+                    items = [dec(i, depth + 1) for i in x]
+                    return {"l": list, "t": tuple, "s": set, "fs": frozenset}[tag](items)
+                if tag == "d" and type(x) is list:
+                    out = {}
+                    for pair in x:
+                        if type(pair) is not list or len(pair) != 2:
+                            raise ValueError("a dict item that is not a pair")
+                        out[dec(pair[0], depth + 1)] = dec(pair[1], depth + 1)
+                    return out
+        raise ValueError(f"not plain data: {str(v)[:100]}")
+
+    def enc(x, depth=0):
+        if depth > 100:
+            raise ValueError("nests too deep")
+        t = type(x)
+        if x is None or t in (bool, int, str):
+            return x
+        if t is float:
+            return {"f": repr(x)}
+        if t is complex:
+            return {"c": [repr(x.real), repr(x.imag)]}
+        if t in (bytes, bytearray):
+            return {"b": _b64.b64encode(bytes(x)).decode()}
+        for kind, tag in ((list, "l"), (tuple, "t"), (set, "s"), (frozenset, "fs")):
+            if t is kind:
+                return {tag: [enc(i, depth + 1) for i in x]}
+        if t is dict:
+            return {"d": [[enc(k, depth + 1), enc(v, depth + 1)] for k, v in x.items()]}
+        if t is Remote:
+            return {"h": object.__getattribute__(x, "_h")}
+        raise TypeError(f"the tests can't send a {t.__name__} to the program: plain data only")
+
+    def ask(request, args=()):
+        if broken:
+            raise _ProgramGone(broken[0])
+        try:
+            _send(call_fd, request)
+            reply = _recv(reply_fd, limit)
+            if type(reply) is not dict:
+                raise ValueError("not an answer")
+            if "raised" in reply:
+                name, message = (str(p) for p in reply["raised"][:2])
+                kind = getattr(builtins, name, None)
+                if not (isinstance(kind, type) and issubclass(kind, Exception)):
+                    kind = RuntimeError
+                    message = f"{name}: {message}"
+                raised = kind(message)
+            else:
+                value = dec(reply["value"])
+                after = reply.get("after") or []
+                for sent, came in zip(args, after):  # what the call did to a list, dict or set it was given
+                    came = dec(came)
+                    if type(sent) is list and type(came) is list:
+                        sent[:] = came
+                    elif type(sent) in (dict, set) and type(came) is type(sent):
+                        sent.clear()
+                        sent.update(came)
+                return value
+        except (OSError, EOFError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
+            broken.append(f"the program stopped answering the tests: {type(e).__name__}: {e}")
+            raise _ProgramGone(broken[0]) from None
+        raise raised
+
+    class Remote:
+        # Something the program has: attribute reads, calls, items, length and iteration are asked of the
+        # program; == and hash stay Python's identity, so nothing the program defines decides a comparison.
+        __slots__ = ("_h", "_r")
+
+        def __init__(self, h, r):
+            object.__setattr__(self, "_h", h)
+            object.__setattr__(self, "_r", r)
+
+        def __getattr__(self, name):
+            return ask({"op": "getattr", "h": object.__getattribute__(self, "_h"), "name": name})
+
+        def __call__(self, *args, **kwargs):
+            return ask({"op": "call", "h": object.__getattribute__(self, "_h"), "args": [enc(a) for a in args],
+                        "kwargs": {str(k): enc(v) for k, v in kwargs.items()}}, args)
+
+        def __getitem__(self, key):
+            return ask({"op": "getitem", "h": object.__getattribute__(self, "_h"), "args": [enc(key)]})
+
+        def __len__(self):
+            n = ask({"op": "len", "h": object.__getattribute__(self, "_h")})
+            if type(n) is not int:
+                raise TypeError("len() of the program's object is not an int")
+            return n
+
+        def __iter__(self):
+            items = ask({"op": "list", "h": object.__getattribute__(self, "_h")})
+            return iter(items if type(items) is list else [])
+
+        def __repr__(self):
+            return f"<the program's {object.__getattribute__(self, '_r')}>"
+
+    try:
+        first = _recv(reply_fd, limit)
+        if type(first) is not dict or type(first.get("names")) is not dict:
+            print("[sandbox] the program failed before the tests ran:", str(first.get("failed") if type(first) is dict
+                  else first)[:2000], file=sys.stderr)
+            return False
+        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        for name, value in first["names"].items():
+            if type(value) is dict and set(value) == {"m"}:  # a module: ours, for a standard one; else none
+                module = str(value["m"])
+                if module.partition(".")[0] in sys.stdlib_module_names:
+                    try:
+                        namespace[name] = importlib.import_module(module)
+                    except ImportError:
+                        pass
+            else:
+                namespace[str(name)] = dec(value)
+    except (OSError, EOFError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
+        print(f"[sandbox] the program did not say what it defined: {type(e).__name__}: {e}", file=sys.stderr)
+        return False
+    try:
+        exec(tests, namespace)
+        passed = True
+    except SystemExit as e:
+        passed = not must_reach_end and e.code in (0, None, False)
+        if not passed:
+            print(f"[sandbox] the tests exited ({e.code!r}) before their end", file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        passed = False
+    if broken:
+        print(f"[sandbox] {broken[0]}", file=sys.stderr)
+        return False
+    return passed
+
+
+def _tabloop_sandbox_judge():
+    import resource
+    memory, cpu = int(sys.argv[6]), int(sys.argv[7])
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    verdict_fd = int(sys.argv[3])
+    passed = _main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _os.write(verdict_fd, b"passed\n" if passed else b"failed\n")
+
+
+_tabloop_sandbox_judge()
+"""
 
 
 # -- the bootstrap: this file run as a script, as root if we are ---------------------------------
@@ -800,6 +1355,10 @@ def _graft(libc, fd: int, path: str) -> None:
 def _setup_filesystem(libc, cfg: dict) -> None:
     """In the new mount namespace: hide the shared directories, graft the interpreter, make the scratch."""
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount may show outside
+    if cfg.get("hardened"):
+        _private_dev(libc)
+        _mount(libc, "tmpfs", "/sys", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0555,size=4k,nr_inodes=8")
+        _mount(libc, None, "/sys", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     workdir = cfg["workdir"]
     file_fds = [(os.path.join(workdir, name), os.open(os.path.join(workdir, name), os.O_PATH))
                 for name in cfg["files"]]  # opened before anything covers them
@@ -818,8 +1377,100 @@ def _setup_filesystem(libc, cfg: dict) -> None:
         _mount(libc, None, hide, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     if "pid" in cfg["namespaces"]:  # its /proc shows its own processes only
         _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if cfg.get("hardened"):
+        _mount(libc, None, "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
     for _, fd in keep_fds + file_fds:
         os.close(fd)
+
+
+def _private_dev(libc) -> None:
+    """A tmpfs over /dev with only DEV_NODES (bound from the host's), the /proc links and an empty shm."""
+    nodes = [(name, os.open(f"/dev/{name}", os.O_PATH)) for name in DEV_NODES]  # before /dev is covered
+    _mount(libc, "tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64")
+    for name, fd in nodes:
+        open(f"/dev/{name}", "wb").close()
+        _mount(libc, f"/proc/self/fd/{fd}", f"/dev/{name}", None, MS_BIND)
+        _mount(libc, None, f"/dev/{name}", None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC)
+        os.close(fd)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"/dev/{name}")
+    os.mkdir("/dev/shm", 0o755)  # hidden like the other shared directories, when the host has one
+
+
+# x86_64 syscall numbers (asm/unistd_64.h) and the seccomp ABI (linux/seccomp.h, linux/filter.h).
+_NR = {"clone": 56, "socket": 41, "socketpair": 53, "unshare": 272, "setns": 308, "clone3": 435}
+_NR_REFUSED = {"ptrace": 101, "add_key": 248, "request_key": 249, "keyctl": 250, "perf_event_open": 298,
+               "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425, "unshare": 272, "setns": 308}
+_CLONE_NAMESPACES = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
+_SOCKET_FAMILIES = (1, 2, 10)   # AF_UNIX, AF_INET, AF_INET6 (in a network namespace with nothing in it)
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_SECCOMP_ALLOW, _SECCOMP_KILL, _SECCOMP_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
+
+
+def _seccomp_program() -> bytes:
+    """The filter: no new namespaces (unshare, setns, clone with a CLONE_NEW* flag; clone3, whose flags a
+    filter can't read, answers ENOSYS so the C library falls back to clone), sockets of AF_UNIX, AF_INET and
+    AF_INET6 only (EAFNOSUPPORT: no AF_VSOCK, no netlink, no packet sockets), none of a few syscalls a test
+    never needs and kernel exploits love (bpf, userfaultfd, io_uring, perf events, keyrings, ptrace); any
+    other architecture's syscall kills the process."""
+    import struct
+
+    LD, JEQ, JSET, JGE, RET = 0x20, 0x15, 0x45, 0x35, 0x06
+    code: list[tuple] = []  # (op, k, jump-if-true label, jump-if-false label) or (op, k)
+
+    def ret(value: int) -> None:
+        code.append((RET, value))
+
+    code.append((LD, 4))  # seccomp_data.arch
+    code.append((JEQ, _AUDIT_ARCH_X86_64, None, "kill"))
+    code.append((LD, 0))  # seccomp_data.nr
+    code.append((JGE, 0x40000000, "eperm", None))  # the x32 ABI
+    code.append((JEQ, _NR["clone3"], "enosys", None))
+    for nr in sorted(set(_NR_REFUSED.values())):
+        code.append((JEQ, nr, "eperm", None))
+    code.append((JEQ, _NR["clone"], "clone", None))
+    code.append((JEQ, _NR["socket"], "family", None))
+    code.append((JEQ, _NR["socketpair"], "family", None))
+    ret(_SECCOMP_ALLOW)
+    labels = {"clone": len(code)}
+    code.append((LD, 16))  # args[0], its low 32 bits (little-endian)
+    code.append((JSET, _CLONE_NAMESPACES, "eperm", None))
+    ret(_SECCOMP_ALLOW)
+    labels["family"] = len(code)
+    code.append((LD, 16))
+    for family in _SOCKET_FAMILIES:
+        code.append((JEQ, family, "allow", None))
+    ret(_SECCOMP_ERRNO | _EAFNOSUPPORT)
+    for label, value in (("allow", _SECCOMP_ALLOW), ("eperm", _SECCOMP_ERRNO | _EPERM),
+                         ("enosys", _SECCOMP_ERRNO | _ENOSYS), ("kill", _SECCOMP_KILL)):
+        labels[label] = len(code)
+        ret(value)
+    out = b""
+    for i, ins in enumerate(code):
+        if len(ins) == 2:
+            out += struct.pack("=HBBI", ins[0], 0, 0, ins[1])
+        else:
+            op, k, yes, no = ins
+            jt = labels[yes] - i - 1 if yes else 0
+            jf = labels[no] - i - 1 if no else 0
+            assert 0 <= jt < 256 and 0 <= jf < 256
+            out += struct.pack("=HBBI", op, jt, jf, k)
+    return out
+
+
+def _install_seccomp(libc) -> None:
+    import ctypes
+
+    program = _seccomp_program()
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    prog = SockFprog(len(program) // 8, program)
+    libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
+    _checked(libc.prctl(22, 2, ctypes.addressof(prog), 0, 0), "prctl PR_SET_SECCOMP")  # SECCOMP_MODE_FILTER
 
 
 def _set_limits(limits: dict) -> None:
@@ -828,6 +1479,7 @@ def _set_limits(limits: dict) -> None:
                             (resource.RLIMIT_FSIZE, limits["fsize"], limits["fsize"]),
                             (resource.RLIMIT_NPROC, limits["nproc"], limits["nproc"]),
                             (resource.RLIMIT_CPU, cpu, cpu + 1),
+                            (resource.RLIMIT_NOFILE, limits["nofile"], limits["nofile"]),
                             (resource.RLIMIT_CORE, 0, 0)):
         _, current = resource.getrlimit(res)
         if current != resource.RLIM_INFINITY:  # unprivileged: a hard limit only comes down
@@ -853,6 +1505,8 @@ def _child(libc, cfg: dict) -> None:
         if libc is not None:
             _prctl(libc, PR_SET_NO_NEW_PRIVS, 1)  # no setuid binary gives the privileges back
             _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+            if cfg.get("seccomp"):
+                _install_seccomp(libc)
         os.execve(cfg["python"], cfg["argv"], dict(os.environ))
     except BaseException as e:  # noqa: BLE001 - whatever it is, the parent must hear of it
         message = f"{type(e).__name__}: {e}".replace("\n", " ")
@@ -867,6 +1521,9 @@ def _bootstrap(argv: list[str]) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     libc = _libc() if _LINUX else None
     try:
+        for procs in cfg.get("cgroup_procs", ()):  # first: all we start from here on is in the run's cgroup
+            with open(procs, "w") as f:
+                f.write(f"{os.getpid()}\n")
         if libc is not None:
             _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)  # the scorer dies: so do we, and the program
             _prctl(libc, PR_SET_CHILD_SUBREAPER, 1)  # orphans of the sandbox come to us, not to init
