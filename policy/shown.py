@@ -10,6 +10,31 @@ from __future__ import annotations
 import bisect
 
 
+def first_line(text: str) -> str:
+    """``text`` up to its first newline (all of it when it has none)."""
+    return text.split("\n", 1)[0]
+
+
+def single_line_mode(prefix: str) -> bool:
+    """Continue's multiline "auto": a cursor after text on its line gets a one-line completion."""
+    return bool(prefix.rsplit("\n", 1)[-1].strip())
+
+
+def shown_text(suggestion: str, *, single_line: bool) -> str | None:
+    """What the editor shows for ``suggestion``: one line in single-line mode, trailing whitespace
+    trimmed; None when nothing is left (an empty suggestion is never shown)."""
+    text = first_line(suggestion) if single_line else suggestion
+    text = text.rstrip()
+    return text if text.strip() else None
+
+
+def shown_line(completion_text: str, prefix: str | None) -> str:
+    """What an IDE shows of a completion served at a cursor after ``prefix``: its first line in single-line
+    mode (``single_line_mode``), all of it otherwise, trailing whitespace trimmed; "" when nothing is shown.
+    ``prefix`` None (the cursor is not known): the whole text, trimmed."""
+    return shown_text(completion_text, single_line=prefix is not None and single_line_mode(prefix)) or ""
+
+
 def kept_token_count(token_text_ends: list[int], shown_chars: int) -> int:
     """How many of a completion's generated tokens its episode trains on: those whose text lies within the
     ``shown_chars`` characters the user was shown, plus the one token that ended them (the end of

@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 
 from schemas.events import Event, new_event
 from policy.fim import parse_prompt
-from policy.shown import kept_token_count
+from policy.shown import first_line, kept_token_count, shown_line, single_line_mode
 from streams.rewards import RewardSpecs, acceptance_reward, composite_reward
 
 EPISODE_NAMESPACE = uuid.UUID("6f1c2a9e-5b7d-4d8e-9c3a-2b1f0e4d7a6c")
@@ -76,24 +76,40 @@ def millis(t) -> int:
 
 def shows_nothing(completion: dict) -> bool:
     """The completion showed the user nothing: the model ended it (end of sequence first, or a stop cut it
-    to nothing) with no text, or only whitespace, which IDEs don't show (Continue trims it). A client that
-    went away before anything was shown (``aborted``) is not the model's choice, so it is not one."""
-    return not completion.get("aborted") and not completion["completion_text"].strip()
+    to nothing) with no text, or only whitespace, which IDEs don't show (Continue trims it). In single-line
+    mode (the completion's ``prefix``: the cursor follows text on its line) the IDE shows the first line
+    only, so an empty first line shows nothing, whatever follows it (``policy.shown.shown_line``); a cursor
+    not known (``prefix`` None): the whole text. A client that went away before anything was shown
+    (``aborted``) is not the model's choice, so it is not one."""
+    return not completion.get("aborted") and not shown_line(completion["completion_text"], completion.get("prefix"))
 
 
-def shown_part(completion: dict, shown: str | None) -> tuple[str, list[int], list[float]]:
-    """(text, token ids, behaviour logprobs) of the completion as the IDE reports it showed it.
+def shown_part(completion: dict, shown: str | None = None) -> tuple[str, list[int], list[float]]:
+    """(text, token ids, behaviour logprobs) of the completion as the IDE showed it.
 
     The front door already keeps only what it sent plus the token that ended it; an IDE may show less —
     Continue's single-line mode shows the first line of what it read and drops the rest — and its
     feedback says what it showed. Tokens past that (and the one that ended it) were never seen, so the
     episode is cut there, by the tokens' text ends (``completion_token_ends``). Unknown ends (older
     events) or a text that does not start with the shown one: the completion as served.
+
+    No shown text reported (``/v1/feedback`` decisions without it, IGNORED episodes): in single-line mode
+    (the completion's ``prefix``) the first line, trailing whitespace trimmed (``shown_line``), and the
+    tokens up to the one that ended the line (the newline: the whitespace before it is not shown but does
+    not end the line); otherwise, or with the cursor not known, the completion as served.
     """
     text = completion["completion_text"]
     ids, logprobs = list(completion["completion_token_ids"]), list(completion["completion_logprobs"])
     ends = completion.get("completion_token_ends") or []
-    if shown is None or len(shown) >= len(text) or not text.startswith(shown) or len(ends) != len(ids):
+    if len(ends) != len(ids):
+        return text, ids, logprobs
+    if shown is None:
+        prefix = completion.get("prefix")
+        if prefix is None or not single_line_mode(prefix) or "\n" not in text:
+            return text, ids, logprobs
+        kept = kept_token_count(ends, len(first_line(text)))
+        return shown_line(text, prefix), ids[:kept], logprobs[:kept]
+    if len(shown) >= len(text) or not text.startswith(shown):
         return text, ids, logprobs
     kept = kept_token_count(ends, len(shown))
     return shown, ids[:kept], logprobs[:kept]

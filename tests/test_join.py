@@ -201,6 +201,76 @@ def test_the_episode_is_what_the_ide_showed_plus_the_token_that_ended_it():
     assert eps[0].record["completion_token_ids"] == [11, 12, 13, 14]
 
 
+# -- single-line mode: the IDE shows the first line (the cursor follows text on its line) -----------------
+
+def served_at_cursor(cid: str, ms: int, prefix: str | None, text: str, ends: list[int], prompt: str = "p") -> dict:
+    """A completion with the cursor's prefix as the front door records it, one token per text end."""
+    n = len(ends)
+    return {**completion(cid, ms, text, prompt=prompt), "prefix": prefix, "suffix": "\n",
+            "completion_token_ids": list(range(11, 11 + n)), "completion_logprobs": [-0.1 * (i + 1) for i in range(n)],
+            "completion_token_ends": ends}
+
+
+def test_shown_line_is_the_first_line_in_single_line_mode_trimmed():
+    from policy.shown import shown_line
+
+    assert shown_line("foo()  \nbar()", "x = ") == "foo()"  # the cursor follows text: one line
+    assert shown_line("foo()  \nbar()\n", "def f():\n    ") == "foo()  \nbar()"  # at a line's start: all of it
+    assert shown_line("\n    return x", "y = f(") == "" and shown_line(" \t\nz", "y = ") == ""
+    assert shown_line("\n    return x", None) == "\n    return x"  # the mode unknown: the whole text
+
+
+def test_single_line_a_completion_whose_first_line_is_empty_shows_nothing():
+    """The IDE shows the first line; an empty one (or only whitespace) is nothing shown, whatever follows."""
+    from streams.join import shows_nothing
+
+    assert shows_nothing(served_at_cursor("c", 0, "x = foo(", "\n    return x", [1, 13]))
+    assert shows_nothing(served_at_cursor("c", 0, "x = foo(", "  \t\n    return x", [3, 4, 16]))
+    # Multi-line mode, or a cursor not known: decided on the whole text, as before.
+    assert not shows_nothing(served_at_cursor("c", 0, "def f():\n", "\n    return x", [1, 13]))
+    assert not shows_nothing(served_at_cursor("c", 0, None, "\n    return x", [1, 13]))
+    assert not shows_nothing(served_at_cursor("c", 0, "x = foo(", "a)\n", [2, 3]))
+
+
+def test_single_line_without_shown_text_the_episode_is_the_first_line_plus_the_token_that_ended_it():
+    """A reject through /v1/feedback (no shown text) or a TTL-IGNORED completion: a single-line user saw the
+    first line only, so the tokens after the newline that ended it are not trained on."""
+    from streams.join import shown_part
+
+    served = served_at_cursor("c1", 0, "y = ", "foo()\nbar()", [3, 5, 6, 11])  # foo | () | \n | bar()
+    assert shown_part(served, None) == ("foo()", [11, 12, 13], [-0.1, -0.2, pytest.approx(-0.3)])
+    # Trailing whitespace is not shown, and the newline after it is still the token that ended the line.
+    spaced = served_at_cursor("c1", 0, "y = ", "foo()  \nbar()", [5, 6, 7, 8, 13])  # foo() | ␠ | ␠ | \n | bar()
+    assert shown_part(spaced, None)[:2] == ("foo()", [11, 12, 13, 14])
+    # Multi-line mode, an unknown cursor, or one line only: as served.
+    for prefix in ("def f():\n    ", None):
+        multi = served_at_cursor("c1", 0, prefix, "foo()\nbar()", [3, 5, 6, 11])
+        assert shown_part(multi, None)[:2] == ("foo()\nbar()", [11, 12, 13, 14])
+    assert shown_part(served_at_cursor("c1", 0, "y = ", "foo()", [3, 5]), None)[:2] == ("foo()", [11, 12])
+    # What the IDE reported wins over the rule.
+    assert shown_part(served, "fo")[:2] == ("fo", [11])
+
+
+def test_single_line_through_the_join_empty_first_line_ignored_and_reject_trains_the_first_line():
+    # "\n    return x" after "x = foo(": the IDE showed nothing; an IGNORED episode at once, on the newline.
+    empty = served_at_cursor("e1", 0, "x = foo(", "\n    return x", [1, 13])
+    eps, counts = run([("c", empty)])
+    assert [(e.record["completion_id"], e.record["outcome"], e.record["completion_text"],
+             e.record["completion_token_ids"]) for e in eps] == [("e1", "IGNORED", "", [11])]
+    assert counts["empty"] == 1
+    # A REJECTED decision with no shown text on "foo()\nbar()": the tokens of "foo()" and the newline.
+    served = served_at_cursor("c1", 0, "y = ", "foo()\nbar()", [3, 5, 6, 11], prompt="q")
+    eps, _ = run([("c", served), ("f", feedback(100, "REJECTED", cid="c1", shown=None, prompt=None))])
+    [r] = [e.record for e in eps]
+    assert (r["outcome"], r["completion_text"], r["completion_token_ids"]) == ("REJECTED", "foo()", [11, 12, 13])
+    assert r["behaviour_logprobs"] == pytest.approx([-0.1, -0.2, -0.3])
+    # Closed by its TTL with no decision: the same cut.
+    eps, _ = run([("c", served), ("c", completion("tick", 10_000, prompt="z"))],
+                 JoinConfig(completion_ttl_ms=1000, emit_ignored=True))
+    assert [(e.record["outcome"], e.record["completion_text"], e.record["completion_token_ids"]) for e in eps] \
+        == [("IGNORED", "foo()", [11, 12, 13])]
+
+
 # -- generator reuse: Continue's GeneratorReuseManager ----------------------------------------------------
 
 def fim(prefix: str, suffix: str = "\n\nprint(add(1, 2))\n", path: str = "src/m.py") -> str:

@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 from infra.bus import ensure_topics
+from policy.shown import shown_text, single_line_mode
 from schemas.topics import COMPLETIONS, FEEDBACK
 from serving import feedback
 from infra.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique
 from trainer.proof.simulate import (CONTINUE_STOPS, EVENT_SOURCES, SimConfig, UserModel, api_payload, completion_body,
-                              data_event, fork_payload, sandbox_passes, shown_text, simulate, single_line_mode)
+                              data_event, fork_payload, sandbox_passes, simulate)
 from trainer.proof.tasks import FimTask, build_source_tasks, humaneval_tasks
 
 TASK = FimTask("t", prefix="def area(w, h):\n    return w", suffix="\n\nprint(area(1, 2))\n", middle=" * h",

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from policy.shown import first_line
+
 
 def levenshtein(a: str, b: str) -> int:
     """Edits (insert, delete, substitute one character) that turn ``a`` into ``b``."""
@@ -34,10 +36,6 @@ def edit_similarity(a: str, b: str) -> float:
     """1 − levenshtein(a, b) / max(len(a), len(b)); two empty texts are identical (1.0)."""
     longest = max(len(a), len(b))
     return 1.0 if longest == 0 else 1.0 - levenshtein(a, b) / longest
-
-
-def first_line(text: str) -> str:
-    return text.split("\n", 1)[0]
 
 
 def exact_match(prediction: str, reference: str) -> bool:

@@ -32,9 +32,10 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from policy.fim import earliest_stop, prompt_format, prompt_token_ids
+from policy.shown import single_line_mode
 from streams.rewards import RewardSpec
 from trainer.metrics import Scored, summarize, user_figures
-from trainer.proof.simulate import CONTINUE_STOPS, UserModel, decision_rows, single_line_mode
+from trainer.proof.simulate import CONTINUE_STOPS, UserModel, decision_rows
 from trainer.proof.tasks import FimTask, iter_batches
 
 SCORERS = ("exact", "tests", "judge", "user")

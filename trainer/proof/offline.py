@@ -159,7 +159,8 @@ def sample_groups(model, tokenizer, prompts: Sequence[list[int]], tasks: Sequenc
                   rows_per_batch: int = 32) -> list[list[Sampled]]:
     """K completions per prompt from ``model``, each cut where the editor would cut it."""
     from trainer.proof.evaluate import cut_completion
-    from trainer.proof.simulate import CONTINUE_STOPS, single_line_mode
+    from policy.shown import single_line_mode
+    from trainer.proof.simulate import CONTINUE_STOPS
 
     rows = [(i, p) for i, p in enumerate(prompts) for _ in range(group_size)]
     drawn: list[tuple[list[int], list[float]]] = []
@@ -185,7 +186,7 @@ def make_scorer(name: str, *, judge_config=None, user_model: UserModel = UserMod
     from the episode of that decision."""
     if name == "exact":
         from trainer.metrics import Scored
-        from trainer.proof.simulate import single_line_mode
+        from policy.shown import single_line_mode
 
         def exact(tasks, completions):
             return [1.0 if Scored(t.task_id, c, t.middle, t.solutions, single_line_mode(t.prefix)).exact else 0.0

@@ -37,8 +37,9 @@ from typing import Callable, Sequence
 import httpx
 
 from policy.fim import QWEN_STOP_WORDS
+from policy.shown import first_line, shown_text, single_line_mode
 from trainer.metrics import edit_similarity
-from trainer.proof.tasks import FimTask, first_line
+from trainer.proof.tasks import FimTask
 
 # What Continue sends as `stop` for a Qwen coder model: the model's own special
 # tokens, then the ones Continue adds for every model.
@@ -48,20 +49,7 @@ RULES = ("exact", "similarity", "tests")
 MODEL_NAME = "qwen2.5-coder-1.5b"
 
 
-# -- what the user sees and decides (pure) ----------------------------------------------
-
-def single_line_mode(prefix: str) -> bool:
-    """Continue's multiline "auto": a cursor after text on its line gets a one-line completion."""
-    return bool(prefix.rsplit("\n", 1)[-1].strip())
-
-
-def shown_text(suggestion: str, *, single_line: bool) -> str | None:
-    """What the editor shows for ``suggestion``: one line in single-line mode, trailing whitespace
-    trimmed; None when nothing is left (an empty suggestion is never shown)."""
-    text = first_line(suggestion) if single_line else suggestion
-    text = text.rstrip()
-    return text if text.strip() else None
-
+# -- what the user sees and decides (pure; what is shown: policy.shown) ------------------
 
 @dataclass(frozen=True)
 class UserModel:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from policy.fim import FILE_SEP, REPO_NAME, build_fim_prompt, parse_prompt
+from policy.shown import first_line
 
 STDLIB_REPO = "cpython-stdlib"
 # Directories of the standard library that aren't ordinary code: test suites
@@ -96,10 +97,6 @@ class FimTask:
         d["solutions"] = list(self.solutions)
         d["context_files"] = [list(c) for c in self.context_files]
         return {k: v for k, v in d.items() if v not in (None, "", [])}
-
-
-def first_line(text: str) -> str:
-    return text.split("\n", 1)[0]
 
 
 def continue_prompt(prefix: str, suffix: str, *, repo: str | None = None, filepath: str | None = None,
@@ -445,5 +442,5 @@ def iter_batches(items: Sequence, size: int) -> Iterator[Sequence]:
         yield items[i:i + size]
 
 
-__all__ = ["FimTask", "TaskFormatError", "build_source_tasks", "continue_prompt", "file_tasks", "first_line",
+__all__ = ["FimTask", "TaskFormatError", "build_source_tasks", "continue_prompt", "file_tasks",
            "humaneval_tasks", "load_tasks", "resolve_dataset", "save_tasks", "split_of", "task_from_record"]

@@ -30,7 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from trainer.proof.tasks import FimTask, first_line
+from policy.shown import first_line
+from trainer.proof.tasks import FimTask
 
 TEAMS = {"single": "'", "double": '"'}
 """Team name -> the quote its code writes string literals with."""
