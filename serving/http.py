@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 # Input caps. Text (prompts, completions) is bounded by the body cap and by what one event may hold
@@ -49,6 +49,8 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float | None = 
                 body += chunk
                 if len(body) > max_bytes:
                     raise HTTPProblem(413, f"request body is over the {max_bytes}-byte limit")
+    except ClientDisconnect:  # the client went away mid-body: ordinary, no traceback; the answer goes nowhere
+        raise HTTPProblem(400, "the client went away before its body came", headers={"Connection": "close"}) from None
     except TimeoutError:
         # Connection: close, as the rest of the body may still be on its way.
         raise HTTPProblem(408, f"request body not received within {timeout_s:g}s ({len(body)} bytes came)",

@@ -57,7 +57,8 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
     sink = HistorySink(s, store, _topic_map(topics), group_id=group_id or GROUP_ID)
     token = history_token(s, create=True)
     try:
-        server = HistoryServer(store, token, s.history_host, s.history_port, status=sink.stats.as_dict).start()
+        server = HistoryServer(store, token, s.history_host, s.history_port, status=sink.stats.as_dict,
+                               header_timeout_s=s.header_timeout_s, body_timeout_s=s.body_timeout_s).start()
     except OSError as exc:
         sink.close()
         _fail(f"cannot listen on {s.history_host}:{s.history_port}: {exc} (TABLOOP_HISTORY_PORT)")

@@ -58,12 +58,16 @@ class QueryLimits:
     max_rows: int = 100_000
     max_result_bytes: int = 64 * 1024 * 1024
     max_memory_bytes: int = 1024 * 1024 * 1024
+    # All the process's queries together (the engine's per-user tracker: every reader is the same user), so
+    # the readers of a pool can't take their per-query cap each at once.
+    max_total_memory_bytes: int = 1024 * 1024 * 1024
     # Half the cores (at least one): analytics never takes every core from the sink beside it.
     max_threads: int = max(1, (os.cpu_count() or 2) // 2)
 
     def settings(self) -> list[str]:
         return [f"max_execution_time = {int(self.timeout_s)}", "timeout_overflow_mode = 'throw'",
                 f"max_memory_usage = {int(self.max_memory_bytes)}",
+                f"max_memory_usage_for_user = {int(self.max_total_memory_bytes)}",
                 f"max_result_rows = {int(self.max_rows)}", f"max_result_bytes = {int(self.max_result_bytes)}",
                 # throw, not break: a result cut short without a word would read as the whole answer
                 "result_overflow_mode = 'throw'", f"max_threads = {int(self.max_threads)}"]

@@ -39,6 +39,8 @@ log = logging.getLogger("tabloop.history")
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
 MAX_QUERY_BYTES = 256 * 1024
 QUERY_TIMEOUT_S = QueryLimits().timeout_s
+MAX_JSON_DEPTH = 32  # a {"query": …} body is 1 deep; Python's parser recurses per level
+BODY_TIMEOUT_S = 30.0  # the whole body, once the headers are in (the front door's default)
 
 
 def history_token(settings: Settings, create: bool = False) -> str | None:
@@ -107,6 +109,31 @@ def dashboard_data(store: HistoryStore, days: int = 30, project: str | None = No
             "reward": reward}
 
 
+async def _read_body(request: Request) -> bytes | Response:
+    """The body, checked as it comes: 413 on a Content-Length over MAX_QUERY_BYTES before reading a byte, or
+    as soon as the streamed bytes pass it; 408 when it has not all come within BODY_TIMEOUT_S; and, for a
+    client that went away mid-body, an empty answer to nobody (no traceback in the log: it is ordinary)."""
+    import anyio
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_QUERY_BYTES:
+        return _problem(413, f"query is over {MAX_QUERY_BYTES} bytes ({declared} declared)")
+    body = bytearray()
+    try:
+        with anyio.fail_after(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_QUERY_BYTES:
+                    return _problem(413, f"query is over {MAX_QUERY_BYTES} bytes")
+    except TimeoutError:
+        return JSONResponse({"error": {"message": f"request body not received within {BODY_TIMEOUT_S:g}s",
+                                       "code": 408}}, status_code=408, headers={"Connection": "close"})
+    except ClientDisconnect:
+        return Response(status_code=400)
+    return bytes(body)
+
+
 def _literal(value: str) -> str:
     from streams.history.sink import sql_literal
 
@@ -128,15 +155,17 @@ def build_app(store: HistoryStore, token: str, status: Callable[[], dict] | None
     async def sql(request: Request) -> Response:
         if not authorized(request):
             return unauthorized()
-        body = await request.body()
-        if len(body) > MAX_QUERY_BYTES:
-            return _problem(413, f"query is over {MAX_QUERY_BYTES} bytes")
+        body = await _read_body(request)
+        if isinstance(body, Response):
+            return body
         query = body.decode(errors="replace")
         if "json" in request.headers.get("content-type", ""):
             import json
 
             try:
                 parsed = json.loads(body)
+            except RecursionError:
+                return _problem(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels")
             except ValueError as exc:
                 return _problem(400, f"request body is not valid JSON: {exc}")
             if not isinstance(parsed, dict) or not isinstance(parsed.get("query"), str):
@@ -209,15 +238,22 @@ class HistoryServer:
     """The app on a socket, in a thread of its own (the sink loop keeps the main thread)."""
 
     def __init__(self, store: HistoryStore, token: str, host: str, port: int,
-                 status: Callable[[], dict] | None = None):
+                 status: Callable[[], dict] | None = None, *, header_timeout_s: float = 10.0,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         import uvicorn
+
+        from infra.http_server import GuardedH11Protocol
 
         from infra.http_server import bind
 
         self.socket = bind(host, port)
         self.host, self.port = host, self.socket.getsockname()[1]
+        # The front door's deadlines: request line and headers within header_timeout_s of connecting, the body
+        # within body_timeout_s of the headers; else a 408 and the connection closed.
+        protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": header_timeout_s,
+                                                                      "body_timeout_s": body_timeout_s})
         config = uvicorn.Config(build_app(store, token, status), log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=3)
+                                lifespan="off", timeout_graceful_shutdown=3, http=protocol, ws="none")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="history-http", daemon=True)
 
