@@ -163,6 +163,16 @@ class Settings(BaseModel):
     promote_gate_level: float = Field(0.9, gt=0, lt=1, description="(ope gate) two-sided level of the estimate's "
                                       "interval whose lower bound must beat the serving version")
     promote_gate_clip: float = Field(10.0, gt=1, description="(ope gate) importance weights are clipped at this")
+    show_gate: bool = Field(True, description="the front door holds each completion's first line, scores it with "
+                            "the promoted show-gate and shows it or nothing; the trainer learns the gate from "
+                            "feedback. false: everything is shown and no gate is learned")
+    gate_exploration: float = Field(0.1, ge=0, le=1, description="(show-gate) probability a line the gate would hide "
+                                    "is shown anyway, so the gate keeps getting labels below its threshold")
+    gate_keep_chars: float = Field(0.99, gt=0, le=1, description="(show-gate) the threshold keeps at least this share "
+                                   "of the accepted characters always-show would get (estimated from the log)")
+    gate_min_decided: int = Field(50, ge=10, description="(show-gate) decided episodes before the first gate is fit")
+    gate_refit_every: int = Field(20, ge=1, description="(show-gate) new decided episodes between refits")
+    gate_window: int = Field(2000, ge=10, description="(show-gate) newest decided episodes a refit uses")
 
     @field_validator("project_policies")
     @classmethod
@@ -345,7 +355,7 @@ def _describe(exc: ValidationError, origin: dict[str, str]) -> str:
 # -- the history's tables, named by the retention setting ---------------------------------------------------
 
 TABLE_FOR_EVENT = {"CompletionServed": "completions", "FeedbackReceived": "feedback", "Episode": "episodes",
-                   "WeightVersion": "weights", "DeadLetter": "deadletter"}
+                   "WeightVersion": "weights", "DeadLetter": "deadletter", "GateVersion": "gates"}
 """The history table of each event type (streams/history/sink.py builds them). Here, not in the sink, because
 ``TABLOOP_HISTORY_RETENTION_DAYS`` names them and settings depend on nothing else of ours."""
 

@@ -88,6 +88,7 @@ EVENT_TYPES: dict[str, EventType] = {
         # One key per (base model, version): compaction keeps the latest status of every version,
         # so the topic still holds the whole history a replica (or `tabloop weights list`) folds.
         EventType("WeightVersion", "created_at", lambda r: f"{r['base_model']}@v{r['version']}"),
+        EventType("GateVersion", "created_at", lambda r: f"{r['project_id']}@g{r['version']}"),
         EventType(
             "DeadLetter",
             "at",

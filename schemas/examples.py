@@ -78,6 +78,15 @@ def example_event(type_name: str, i: int = 0, rng: random.Random | None = None, 
             episodes_consumed=i * 160, source_offsets={"0": i * 27, "1": i * 26}, metrics={"reward_mean": 0.1},
             status="PROMOTED",
         )
+    if type_name == "GateVersion":
+        return new_event(
+            "GateVersion", project_id="" if i % 2 else project, version=i + 1, parent_version=i or None,
+            policy_version=i % 5, feature_names=["log_tokens", "log_chars", "first_logprob", "mean_logprob",
+                                                 "min_logprob", "sum_logprob", "end_logprob"],
+            coef=[rng.uniform(-1, 1) for _ in range(7)], intercept=-1.1, feature_mean=[0.0] * 7,
+            feature_scale=[1.0] * 7, threshold=0.2, exploration=0.1, episodes_used=50 + i,
+            metrics={"auc": 0.8}, status="PROMOTED", reason="example",
+        )
     if type_name == "DeadLetter":
         return new_event("DeadLetter", source_topic="tabloop.feedback", source_partition=i % 6, source_offset=i,
                          raw=bytes(rng.getrandbits(8) for _ in range(32)), error="CorruptEventError: example")

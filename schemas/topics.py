@@ -3,7 +3,7 @@
 The event topics are the event log of the whole system: every other store
 (Faust tables, ClickHouse, the trainer's state) is derived from them and can be
 rebuilt by replaying them, so they keep data forever. ``tabloop.weights`` holds
-one live record per base model and is compacted.
+one live record per weight version and is compacted; ``tabloop.gates`` the same per show-gate version.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ EPISODES = Topic("tabloop.episodes", "Episode", KEEP_FOREVER)
 # One partition: weight versions must be read in the order they were published.
 WEIGHTS = Topic("tabloop.weights", "WeightVersion", COMPACTED, partitions=1)
 DEADLETTER = Topic("tabloop.deadletter", "DeadLetter", KEEP_FOREVER, partitions=1)
+# One partition, as the weights: a replica folds gate versions in the order they were published.
+GATES = Topic("tabloop.gates", "GateVersion", COMPACTED, partitions=1)
 
-CATALOG: tuple[Topic, ...] = (COMPLETIONS, FEEDBACK, EPISODES, WEIGHTS, DEADLETTER)
+CATALOG: tuple[Topic, ...] = (COMPLETIONS, FEEDBACK, EPISODES, WEIGHTS, DEADLETTER, GATES)
 TOPIC_BY_NAME = {t.name: t for t in CATALOG}
 TOPIC_FOR_EVENT = {t.event_type: t for t in CATALOG}
 

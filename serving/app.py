@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import socket
 from collections import OrderedDict
 
@@ -17,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from infra.auth import MAX_NAME, KeyStore, Principal, RateLimiter
 from infra.settings import Settings
 from serving import feedback, openapi
-from infra.auth import MAX_NAME, KeyStore, Principal, RateLimiter
 from serving.completions import CompletionRun, parse_completion_request, parse_fim_request
 from serving.engines.base import Engine
 from serving.http import HTTPProblem, SSEResponse, check_length, read_json
@@ -53,7 +54,8 @@ class Metrics:
 
 
 class FrontDoor:
-    def __init__(self, settings: Settings, engine: Engine, publisher: EventPublisher, keys: KeyStore | None = None):
+    def __init__(self, settings: Settings, engine: Engine, publisher: EventPublisher, keys: KeyStore | None = None,
+                 gates=None):
         if settings.auth == "open" and settings.serve_host not in LOOPBACK:
             raise ValueError(f"TABLOOP_AUTH=open serves without keys: only on a loopback address, "
                              f"not TABLOOP_SERVE_HOST={settings.serve_host}")
@@ -68,6 +70,9 @@ class FrontDoor:
         # project naming one of them is refused here (the streams join refuses it for every replica).
         self.served_to: OrderedDict[str, str] = OrderedDict()
         self._longest_token_chars: int | None = None
+        self.gates = gates
+        """Where a request finds its show-gate (``serving.gates.GateWatcher``); None: everything is shown."""
+        self.gate_rng = random.Random()
 
     # -- auth -----------------------------------------------------------------------
 
@@ -101,13 +106,20 @@ class FrontDoor:
         caller = self.authenticate(request)
         params = parse(await self._body(request), self.settings)
         run = CompletionRun(params, self.engine, self.settings, caller.project_id, caller.user_id, self.replica_id)
+        if self.gates is not None and self.settings.show_gate:
+            run.gate, run.rng = self.gates.for_project(caller.project_id), self.gate_rng
         run.prepare()  # a prompt we can't serve is a 400 now, not a broken stream later
         self._check_event_fits(run)
 
         def headers() -> dict[str, str]:
             # Known once the first token exists: a request runs start to end on one version.
             version = run.policy_version if run.policy_version is not None else self.engine.policy_version
-            return {"X-Tabloop-Completion-Id": run.completion_id, "X-Tabloop-Policy-Version": str(version)}
+            out = {"X-Tabloop-Completion-Id": run.completion_id, "X-Tabloop-Policy-Version": str(version)}
+            if gate is not None:
+                out["X-Tabloop-Gate-Version"] = str(gate.version)
+            return out
+
+        gate = run.gate  # the gate the request started with (an empty first line drops it from the run)
 
         if not params.stream:
             try:

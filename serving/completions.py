@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import time
 import uuid
 from contextlib import aclosing
@@ -29,7 +30,8 @@ from policy.fim import (
     prompt_token_ids,
     safe_emit_length,
 )
-from policy.shown import kept_token_count
+from policy.show_gate import Gate, line_features
+from policy.shown import first_line, kept_token_count
 from serving.http import MAX_NAME_CHARS, HTTPProblem, field as body_field
 
 MAX_STOP_WORDS = 32
@@ -181,6 +183,15 @@ class CompletionRun:
     a replica tokenized the text itself and did not say (the trainer then re-encodes the prompt text)."""
     token_text_ends: list[int] = field(default_factory=list)
     """Where each generated token's text ends in the generated text (``kept_token_count``)."""
+    gate: Gate | None = None
+    """The show-gate this request is scored with (None: everything is shown)."""
+    rng: random.Random | None = None
+    """Draws the gate's exploration (None: the random module's)."""
+    gate_score: float | None = None
+    gate_shown: bool = True
+    show_probability: float = 1.0
+    hidden_line: str = ""
+    """The line the gate hid: on the event (what the gate decided on), never sent."""
     _generated_chars: int = 0
     _prompt_ids_sent: bool = False
 
@@ -206,9 +217,31 @@ class CompletionRun:
                                             project_id=self.project_id)
         return self.generation
 
+    def _decide(self, held: str) -> bool:
+        """The show-gate's decision on the first line of ``held`` (all generated so far, nothing sent yet):
+        True to send it. The line's figures are those the join's episode will carry: its text and its
+        tokens' logprobs up to the one that ended it (``policy.show_gate.first_line_features``). An empty
+        first line is not gated: single-line mode shows nothing anyway, and a multi-line suggestion that
+        starts on the next line has no line to judge yet."""
+        line = first_line(held)
+        if not line.strip():
+            self.gate = None
+            return True
+        kept = kept_token_count(self.token_text_ends, len(line))
+        self.gate_score = self.gate.score(line_features(line, self.logprobs[:kept]))
+        self.gate_shown, self.show_probability = self.gate.decide(self.gate_score, self.rng)
+        if not self.gate_shown:
+            self.hidden_line, self.finish_reason = line, "stop"
+        return self.gate_shown
+
     async def pieces(self) -> AsyncIterator[tuple[str, list[TokenStep]]]:
-        """(text, the steps that made it) as soon as the text is safe to show; the last piece may be ('', [])."""
+        """(text, the steps that made it) as soon as the text is safe to show; the last piece may be ('', []).
+
+        With a show-gate, nothing is sent until the first line is complete (a newline, or the end): the
+        gate scores it, and the held text is sent in one piece, or nothing is and generation stops."""
         pending, steps = "", []
+        held, held_steps = "", []  # the text generated before the gate decides: not sent yet
+        deciding = self.gate is not None
         try:
             async with aclosing(self.engine.stream(self.generation or self.prepare())) as tokens:
                 async for step in tokens:
@@ -234,9 +267,22 @@ class CompletionRun:
                         break
                     ready = safe_emit_length(pending, self.params.stop)
                     if ready > 0:
-                        self.text += pending[:ready]
-                        yield pending[:ready], steps
+                        piece, piece_steps = pending[:ready], steps
                         pending, steps = pending[ready:], []
+                        if deciding:
+                            held, held_steps = held + piece, held_steps + piece_steps
+                            if "\n" not in held:
+                                continue
+                            deciding = False
+                            if not self._decide(held):
+                                return  # hidden: leaving the block stops the generation
+                            piece, piece_steps = held, held_steps
+                        self.text += piece
+                        yield piece, piece_steps
+            if deciding:
+                pending, steps = held + pending, held_steps + steps
+                if not self._decide(pending):
+                    return
             self.text += pending
             yield pending, steps
         except BaseException:
@@ -301,8 +347,10 @@ class CompletionRun:
     def event(self) -> Event:
         parsed = parse_prompt(self.params.model_prompt)
         # The episode trains on what the user saw plus the token that ended it, not on tokens generated
-        # past a stop, held back and never sent, or read by a client that had already gone.
-        kept = kept_token_count(self.token_text_ends, len(self.text))
+        # past a stop, held back and never sent, or read by a client that had already gone. A line the
+        # gate hid is kept the same way: it is what the gate decided on.
+        text = self.text if self.gate_shown else self.hidden_line
+        kept = kept_token_count(self.token_text_ends, len(text))
         ends = self.token_text_ends[:kept]
         return new_event(
             "CompletionServed", completion_id=self.completion_id, project_id=self.project_id,
@@ -311,10 +359,13 @@ class CompletionRun:
             prompt=self.prompt_text or self.params.model_prompt, prompt_token_ids=self.prompt_ids,
             prompt_sha256=hashlib.sha256(self.params.client_prompt.encode()).hexdigest(),
             prefix=parsed.prefix, suffix=parsed.suffix, filepath=parsed.filepath,
-            completion_text=self.text, completion_token_ids=self.token_ids[:kept],
+            completion_text=text, completion_token_ids=self.token_ids[:kept],
             completion_logprobs=self.logprobs[:kept], completion_token_ends=ends,
             finish_reason=self.finish_reason or "abort", aborted=self.aborted,
             temperature=self.params.temperature, top_p=self.params.top_p, max_tokens=self.params.max_tokens,
             requested_temperature=self.params.requested_temperature,
             ttft_ms=self.ttft_ms, latency_ms=self.latency_ms, replica_id=self.replica_id,
+            gate_version=self.gate.version if self.gate is not None else None, gate_score=self.gate_score,
+            gate_threshold=self.gate.threshold if self.gate is not None else None, gate_shown=self.gate_shown,
+            show_probability=self.show_probability,
         )

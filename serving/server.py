@@ -11,6 +11,7 @@ from infra.http_server import bind, guarded_protocol
 from infra.settings import Settings
 from serving.app import FrontDoor
 from serving.engines.base import Engine
+from serving.gates import GateWatcher
 from serving.publisher import EventPublisher
 
 log = logging.getLogger("tabloop.serve")
@@ -46,7 +47,8 @@ class Server:
         self.settings = settings
         self.engine = engine or make_engine(settings)
         self.publisher = publisher or EventPublisher(settings, make_codec(settings))
-        self.front_door = FrontDoor(settings, self.engine, self.publisher)
+        self.gates = GateWatcher(settings) if settings.show_gate else None
+        self.front_door = FrontDoor(settings, self.engine, self.publisher, gates=self.gates)
         self.sockets = (bind(settings.serve_host, settings.completions_port),
                         bind(settings.serve_host, settings.feedback_port))
         self.ports = tuple(s.getsockname()[1] for s in self.sockets)
@@ -59,6 +61,8 @@ class Server:
         await self.engine.start()
         self.watcher = WeightWatcher(self.settings, self.engine)
         self.watcher.start()
+        if self.gates is not None:
+            self.gates.start()
         apps = (self.front_door.completions_app(), self.front_door.feedback_app())
         for app in apps:
             # ws="none": no route takes a WebSocket, and an upgraded connection would leave the guard.
@@ -71,6 +75,8 @@ class Server:
             await asyncio.gather(*(srv.serve(sockets=[sock]) for srv, sock in zip(self._servers, self.sockets)))
         finally:
             await self.watcher.stop()
+            if self.gates is not None:
+                await asyncio.to_thread(self.gates.stop)
             await self.engine.close()
             await asyncio.to_thread(self.publisher.close)
 

@@ -37,6 +37,8 @@ from policy.fim import parse_prompt
 from policy.shown import first_line, kept_token_count, shown_line, single_line_mode
 from streams.rewards import RewardSpecs, acceptance_reward, composite_reward
 
+GATE_FIELDS = ("gate_version", "gate_score", "gate_threshold", "gate_shown", "show_probability")
+"""What the show-gate decided about a completion, carried from CompletionServed to its Episode."""
 EPISODE_NAMESPACE = uuid.UUID("6f1c2a9e-5b7d-4d8e-9c3a-2b1f0e4d7a6c")
 
 
@@ -281,6 +283,16 @@ class EpisodeJoiner:
         if cid in self.open or cid in self.closed:
             self.counts["duplicate_completions"] += 1
             return []
+        if completion.get("gate_shown") is False:
+            # The show-gate hid it: the client got nothing, so no feedback can come. Its episode (of its own
+            # kind: gate_shown false, never trained as the model's choice to abstain) is made at once, so the
+            # history counts it and a learner can estimate a candidate gate on all the traffic it served.
+            self.closed[cid] = millis(completion["served_at"])
+            self.counts["gate_hidden"] += 1
+            self.counts["episodes"] += 1
+            for fb in self.early.pop(cid, []):
+                self.counts["duplicate_feedback"] += 1
+            return [self.episode(completion, None)]
         if self.config.emit_empty and shows_nothing(completion):
             # Its episode needs no decision: it is closed at once, and feedback that names it anyway
             # (early or late) is a duplicate of this decision.
@@ -390,13 +402,21 @@ class EpisodeJoiner:
             prompt_sha256=source.get("prompt_sha256"),
             **served_cursor(completion, prompt),
             completion_text=text, completion_token_ids=tokens,
+            completion_token_ends=_ends_of(completion, len(tokens)),
             behaviour_logprobs=logprobs,
             # The distribution the behaviour logprobs are of; an unmatched episode has none (its defaults).
             **({"temperature": completion["temperature"], "top_p": completion["top_p"]} if completion else {}),
             outcome=outcome, reward=composite_reward(spec, components, n_tokens),
             reward_components=components, scorer="acceptance", matched=completion is not None,
             feedback_event_id=fb["event_id"] if fb else None, time_to_decision_ms=decision_ms,
+            **{name: completion[name] for name in GATE_FIELDS if completion and name in completion},
         )
+
+
+def _ends_of(completion: dict | None, kept: int) -> list[int]:
+    """The text ends of an episode's first ``kept`` tokens, when the completion recorded them."""
+    ends = list((completion or {}).get("completion_token_ends") or [])
+    return ends[:kept] if len(ends) >= kept else []
 
 
 def served_cursor(completion: dict | None, prompt: str) -> dict:

@@ -60,7 +60,7 @@ REJECTS = "rejects"
 # event always share the whole key and ReplacingMergeTree folds them.
 SORT_KEY = {"completions": ("project_id", "event_id"), "feedback": ("project_id", "event_id"),
             "episodes": ("project_id", "event_id"), "weights": ("base_model", "event_id"),
-            "deadletter": ("source_topic", "event_id")}
+            "deadletter": ("source_topic", "event_id"), "gates": ("project_id", "event_id")}
 SOURCE_COLUMNS = (("_topic", "LowCardinality(String)"), ("_partition", "Int32"), ("_offset", "Int64"))
 # File extensions → language, for the acceptance view's language axis.
 LANGUAGES = {

@@ -1,0 +1,126 @@
+"""The front door's show-gate: which gate a project is served (by hand), and on a real broker gate versions
+published, hot-loaded, logged on every completion and rolled back, without a restart."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from infra.auth import KeyStore
+from infra.bus import EventProducer, ensure_topics
+from policy.show_gate import FEATURES, Gate
+from schemas.events import new_event
+from schemas.topics import COMPLETIONS
+from serving.gates import fold_gate_event, gate_for
+from tests.conftest import make_settings
+from tests.serving_helpers import ThreadServer, find_events, unique
+from tests.system_helpers import poll
+
+
+def gate_event(version: int, status: str = "PROMOTED", *, project: str = "", threshold: float = 0.5,
+               exploration: float = 0.0, features=FEATURES):
+    gate = Gate(coef=(0.0,) * 7, intercept=0.0, mean=(0.0,) * 7, scale=(1.0,) * 7, threshold=threshold,
+                exploration=exploration, version=version, project_id=project)
+    record = {**gate.as_record(), "feature_names": list(features)}
+    return new_event("GateVersion", **record, parent_version=None, episodes_used=60, metrics={}, status=status,
+                     reason="test")
+
+
+def test_which_gate_a_project_is_served_by_hand():
+    book: dict = {}
+    assert gate_for(book, "p") is None  # no gate: everything shown
+    book = fold_gate_event(book, gate_event(1).record)
+    assert gate_for(book, "p").version == 1 and gate_for(book, "").version == 1  # the shared gate
+    book = fold_gate_event(book, gate_event(1, project="p", threshold=0.9).record)
+    assert gate_for(book, "p").threshold == 0.9 and gate_for(book, "q").version == 1
+    book = fold_gate_event(book, gate_event(2, project="p").record)
+    assert gate_for(book, "p").version == 2
+    book = fold_gate_event(book, gate_event(3, "CANDIDATE", project="p").record)
+    assert gate_for(book, "p").version == 2  # a candidate is not served
+    book = fold_gate_event(book, gate_event(2, "ROLLED_BACK", project="p").record)
+    assert gate_for(book, "p").version == 1 and gate_for(book, "p").threshold == 0.9  # the one before it
+    book = fold_gate_event(book, gate_event(1, "ROLLED_BACK", project="p").record)
+    assert gate_for(book, "p").project_id == ""  # the project's gates all rolled back: the shared one
+    before = book
+    book = fold_gate_event(book, gate_event(4, features=("log_tokens",)).record)
+    assert book is before  # a gate over features this build does not compute is never served
+
+
+@pytest.mark.kafka
+def test_gate_versions_are_hot_loaded_logged_on_every_completion_and_rolled_back(kafka, tiny_model, tmp_path):
+    settings = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
+                             completions_port=0, feedback_port=0)
+    ensure_topics(settings)
+    project = unique("gated")
+    key = KeyStore(settings.keys_file).add(project, "u", rate_per_minute=100_000)
+    server = ThreadServer(settings)
+    producer = EventProducer(settings)
+    served: list[tuple[str, str | None, str]] = []  # (completion id, gate header, text the client got)
+
+    def ask(n: int) -> list[tuple[str, str | None, str]]:
+        out = []
+        with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {key}"}) as http:
+            for i in range(n):
+                stream = i % 2 == 1
+                r = http.post(f"{server.completions_url}/v1/completions",
+                              json={"prompt": f"x_{i} = compute(", "max_tokens": 5, "temperature": 0.7,
+                                    "stream": stream})
+                assert r.status_code == 200
+                if stream:
+                    text = "".join(c["choices"][0]["text"] for c in _chunks(r.text))
+                else:
+                    text = r.json()["choices"][0]["text"]
+                out.append((r.headers["x-tabloop-completion-id"], r.headers.get("x-tabloop-gate-version"), text))
+        served.extend(out)
+        return out
+
+    def publish_and_wait(event, header: str | None) -> list:
+        producer.publish(event)
+        producer.flush()
+        return poll(lambda: ask(2), lambda got: any(h == header for _, h, _ in got), 30, 0.2)
+
+    try:
+        before = ask(4)
+        assert all(h is None for _, h, _ in before)
+        # A gate that hides everything (threshold above any probability, no exploration), for this project.
+        publish_and_wait(gate_event(1, project=project, threshold=1.01), "1")
+        hidden = ask(6)
+        gated = [(cid, text) for cid, h, text in hidden if h == "1"]
+        assert len(gated) == 6 and all(text == "" for _, text in gated)
+        # A gate that shows everything replaces it without a restart...
+        publish_and_wait(gate_event(2, project=project, threshold=0.0), "2")
+        shown = ask(6)
+        assert all(h == "2" for _, h, _ in shown)
+        # ...and its rollback brings back the one before it.
+        publish_and_wait(gate_event(2, "ROLLED_BACK", project=project), "1")
+        publish_and_wait(gate_event(1, "ROLLED_BACK", project=project), None)
+
+        ids = {cid for cid, _, _ in served}
+        events = {e.record["completion_id"]: e.record
+                  for e in find_events(settings, COMPLETIONS.name, lambda e: e.record["completion_id"] in ids,
+                                       want=len(ids), timeout_s=60)}
+        assert set(events) == ids  # every completion logged, whatever the gate did
+        for cid, header, text in served:
+            e = events[cid]
+            if e["gate_version"] is None:
+                # Not gated: no gate was served, or the line was empty (nothing to judge): shown as generated.
+                assert e["gate_shown"] and e["show_probability"] == 1.0 and e["completion_text"] == text
+                continue
+            assert header == str(e["gate_version"]) and 0 < e["gate_score"] < 1
+            if e["gate_version"] == 1:
+                assert e["gate_threshold"] == 1.01 and not e["gate_shown"] and e["show_probability"] == 0.0
+                assert text == "" and e["completion_text"].strip() and "\n" not in e["completion_text"]
+                assert len(e["completion_token_ids"]) == len(e["completion_logprobs"]) >= 1
+            else:
+                assert e["gate_shown"] and e["show_probability"] == 1.0 and e["completion_text"] == text
+        assert sum(1 for e in events.values() if e["gate_version"] == 1 and not e["gate_shown"]) >= 6
+    finally:
+        producer.close()
+        server.stop()
+
+
+def _chunks(body: str) -> list[dict]:
+    import json
+
+    return [json.loads(line[6:]) for line in body.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]" and '"choices": [{' in line]
