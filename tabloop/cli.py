@@ -771,10 +771,11 @@ main.add_command(history_cli.sql)
 main.add_command(history_cli.replay)
 bench.add_command(history_cli.bench_history)
 
-from trainer.cli import bench_trainer, train, weights  # noqa: E402
+from trainer.cli import bench_trainer, gates, train, weights  # noqa: E402
 
 main.add_command(train)
 main.add_command(weights)
+main.add_command(gates)
 bench.add_command(bench_trainer)
 
 from trainer.proof.cli import eval_command, simulate, tasks  # noqa: E402  (the proof-of-learning commands)

@@ -181,6 +181,35 @@ def test_a_completion_that_shows_nothing_is_an_ignored_episode_at_once():
     assert eps == [] and counts["ignored"] == 1
 
 
+def test_a_completion_the_gate_hid_is_one_ignored_episode_at_once_with_the_gate_fields():
+    """The client got nothing, so no feedback can come: its episode is made at once, carrying what the gate
+    decided (the learner weighs by show_probability, the trainer never trains it as the model's abstention),
+    and feedback naming it anyway is a duplicate of that episode."""
+    gate = {"gate_version": 3, "gate_score": 0.12, "gate_threshold": 0.3, "gate_shown": False,
+            "show_probability": 0.9}
+    hidden = {**completion("hid", 0, text="return x"), **gate}
+    shown = {**completion("shown", 10, prompt="q"), "gate_version": 3, "gate_score": 0.12, "gate_threshold": 0.3,
+             "gate_shown": True, "show_probability": 0.1}
+    eps, counts = run([("c", hidden), ("c", shown),
+                       ("f", feedback(50, "ACCEPTED", cid="hid", shown=None, prompt=None)),
+                       ("f", feedback(60, "REJECTED", cid="shown", shown=None, prompt=None))])
+    assert [(e.record["completion_id"], e.record["outcome"]) for e in eps] == [("hid", "IGNORED"),
+                                                                               ("shown", "REJECTED")]
+    r = eps[0].record
+    assert {k: r[k] for k in gate} == gate
+    assert (r["completion_text"], r["completion_token_ids"], r["behaviour_logprobs"]) == \
+        ("return x", [1, 2, 3], [-0.1, -0.2, -0.3])  # the line it would have shown, to score it again
+    assert r["reward"] == 0.0 and r["feedback_event_id"] is None
+    assert (eps[1].record["gate_shown"], eps[1].record["show_probability"]) == (True, 0.1)
+    assert counts["gate_hidden"] == 1 and counts["duplicate_feedback"] == 1 and counts["episodes"] == 2
+    # Feedback that came first is a duplicate too; a completion with no gate fields is shown, probability 1.
+    eps, counts = run([("f", feedback(5, "REJECTED", cid="hid", shown=None, prompt=None)), ("c", hidden)])
+    assert [e.record["outcome"] for e in eps] == ["IGNORED"] and counts["duplicate_feedback"] == 1
+    eps, _ = run([("c", completion("plain", 0)), ("f", feedback(50, cid="plain", shown=None, prompt=None))])
+    assert (eps[0].record["gate_shown"], eps[0].record["show_probability"], eps[0].record["gate_version"]) == \
+        (True, 1.0, None)
+
+
 def test_the_episode_is_what_the_ide_showed_plus_the_token_that_ended_it():
     """Continue's single-line mode reads past the first newline (the front door held the newline back until
     the next token came) and shows only the first line: the feedback says so, and the episode trains on

@@ -1,4 +1,5 @@
-"""The trainer's commands: `tabloop train`, `tabloop weights list|promote|rollback|evaluate`, `tabloop bench trainer`.
+"""The trainer's commands: `tabloop train`, `tabloop weights list|promote|rollback|evaluate`,
+`tabloop gates list|rollback`, `tabloop bench trainer`.
 
 Registered in tabloop/cli.py with one ``add_command`` line each.
 """
@@ -194,6 +195,97 @@ def weights_rollback(ctx: click.Context, version: int | None, project: str) -> N
     _publish(settings, *events)
     goes_to = f"version {target}" if target or not project else "the shared policy"
     click.echo(f"version {current} of {_whose(project)} rolled back; serving goes to {goes_to}")
+
+
+# -- show-gate versions -------------------------------------------------------------------
+
+
+@click.group()
+def gates() -> None:
+    """Show-gate versions (trainer/show_gate.py): list them, roll one back. The front door follows, per project,
+    its newest PROMOTED gate not rolled back, else the shared one."""
+
+
+def read_gate_records(settings) -> list[dict]:
+    """Every GateVersion record on tabloop.gates, in order (empty when the topic does not exist yet)."""
+    from infra.bus import broker_answers, read_topic
+    from schemas.topics import GATES
+
+    if not broker_answers(settings):
+        raise _error(f"no Kafka answers on {settings.kafka_bootstrap}: run `tabloop kafka start` first")
+    try:
+        return [r.event.record for r in read_topic(settings, GATES.name) if r.event is not None]
+    except ValueError:  # the topic does not exist yet
+        return []
+
+
+def _gate_of(project: str) -> str:
+    return f"project {project}'s gate" if project else "the shared gate"
+
+
+@gates.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per version.")
+@click.pass_context
+def gates_list(ctx: click.Context, as_json: bool) -> None:
+    """Every gate version with its latest status; * marks the one serving its project."""
+    from trainer.show_gate import latest_statuses, serving_gate_record
+
+    records = read_gate_records(_settings(ctx))
+    rows = []
+    for project in dict.fromkeys(r.get("project_id") or "" for r in records):
+        serving = serving_gate_record(records, project)
+        for version, r in sorted(latest_statuses(records, project).items()):
+            m = r["metrics"]
+            rows.append({"version": version, "project": project, "status": r["status"],
+                         "serving": serving is not None and serving["version"] == version,
+                         "parent": r.get("parent_version"), "policy_version": r["policy_version"],
+                         "threshold": round(r["threshold"], 4), "exploration": r["exploration"],
+                         "episodes": r["episodes_used"], "auc": round(m.get("auc_cross_fitted", float("nan")), 3),
+                         "keep_chars": round(m.get("keep_chars", float("nan")), 3),
+                         "shown_share": round(m.get("gate_shown_share", float("nan")), 3),
+                         "accept_rate_shown": round(m.get("gate_accept_rate_shown", float("nan")), 3),
+                         "created": r["created_at"].strftime("%Y-%m-%d %H:%M:%S"), "reason": r.get("reason") or ""})
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    if not rows:
+        click.echo("no gate versions on tabloop.gates yet (the trainer publishes one after "
+                   f"{_settings(ctx).gate_min_decided} decided episodes)")
+        return
+    width = max([8] + [len(r["project"]) for r in rows])
+    click.echo(f"  {'version':>7} {'project':<{width}} {'status':<11} {'policy':>6} {'thresh':>6} {'lines':>5} "
+               f"{'auc':>5} {'keep':>5} {'shown':>5} {'accept':>6}  {'created':<19}  reason")
+    for r in rows:
+        click.echo(f"{'*' if r['serving'] else ' '} {r['version']:>7} {r['project'] or '(shared)':<{width}} "
+                   f"{r['status']:<11} {r['policy_version']:>6} {r['threshold']:>6.3f} {r['episodes']:>5} "
+                   f"{r['auc']:>5} {r['keep_chars']:>5} {r['shown_share']:>5} {r['accept_rate_shown']:>6}  "
+                   f"{r['created']:<19}  {r['reason']}")
+
+
+@gates.command("rollback")
+@click.option("--version", "version", type=click.IntRange(min=1), required=True, help="The gate version to roll back.")
+@click.option("--project", default="", help="Whose gate (default: the shared one).")
+@click.pass_context
+def gates_rollback(ctx: click.Context, version: int, project: str) -> None:
+    """Publish VERSION as ROLLED_BACK: the door goes back to the project's gate promoted before it, else the
+    shared gate, else shows everything."""
+    from trainer.show_gate import latest_statuses, restated, serving_gate_record
+
+    settings = _settings(ctx)
+    records = read_gate_records(settings)
+    record = latest_statuses(records, project).get(version)
+    if record is None:
+        raise _error(f"no version {version} of {_gate_of(project)} on tabloop.gates")
+    if record["status"] == "ROLLED_BACK":
+        raise _error(f"gate version {version} is rolled back already")
+    event = restated(record, "ROLLED_BACK", "rolled back by `tabloop gates rollback`")
+    _publish(settings, event)
+    after = serving_gate_record([*records, event.record], project)
+    goes_to = (f"gate version {after['version']}" if after is not None
+               else "the shared gate" if project else "no gate (everything shown)")
+    click.echo(f"version {version} of {_gate_of(project)} rolled back; "
+               f"the door goes to {goes_to}")
 
 
 SINCE_UNITS = {"m": 60, "h": 3600, "d": 86400}

@@ -29,9 +29,16 @@ def drop_reason(episode: dict, current_version: int, max_staleness: int, serving
     importance ratio to weigh it by (its probability under any other policy is 0 or 1). Counted in the
     manifest's dropped episodes, so a deployment serving greedily shows up as a trainer that trains on nothing.
 
+    "gate_hidden": the show-gate hid the completion (``gate_shown`` false). The model did not choose to show
+    nothing, the gate did, over a line the user never saw: trained as an abstention it would teach the model
+    to end its completions where the gate, not the user, said no (the gate learns from these in
+    trainer/show_gate.py).
+
     ``staleness_of(version)``: how many versions old ``version`` is (default ``current_version - version``;
     with a policy per project, the shared policy's versions since, as projects' versions share the numbers).
     """
+    if episode.get("gate_shown") is False:
+        return "gate_hidden"
     if not episode["completion_token_ids"] and not episode.get("completion_text"):
         return "empty"
     if episode["completion_token_ids"] and episode_sampler(episode)[0] <= GREEDY_TEMPERATURE:

@@ -163,6 +163,8 @@ class OnlineTrainer:
         self.version_project: dict[int, str] = {}
         self.canaries: dict[str, CanaryTally] = {}
         """project ("" the shared policy) -> its running canary."""
+        self.gate_learner = None
+        """While ``run`` runs with ``show_gate``: the show-gate's learner thread (trainer/show_gate.py)."""
         self.head_feed: HeadFeed | None = None
         """While ``run`` runs: the reader at the head of the topic, for the canaries and the gate
         (trainer/head_feed.py)."""
@@ -278,6 +280,11 @@ class OnlineTrainer:
         self._follow_rollbacks()
         episodes, weights = self._make_consumers()
         self.head_feed = HeadFeed(self.settings, self.topic, self.group_id)
+        if self.settings.show_gate:  # the show-gate is learned at the head of the topic, beside the PPO loop
+            from trainer.show_gate import GateLearnerThread
+
+            self.gate_learner = GateLearnerThread(self.settings, self.base_model, self.producer,
+                                                  topic=self.topic).start()
         published = 0
         last_activity = time.monotonic()
         try:
@@ -311,6 +318,9 @@ class OnlineTrainer:
                 if idle_exit_s is not None and time.monotonic() - last_activity > idle_exit_s:
                     return
         finally:
+            if self.gate_learner is not None:
+                self.gate_learner.stop()
+                self.gate_learner = None
             episodes.close()
             weights.close()
             self.head_feed.close()
@@ -635,9 +645,11 @@ class OnlineTrainer:
                       completion_id=ep["completion_id"])
 
     def _held_out(self, ep: dict) -> bool:
-        """Whether the gate holds this episode out of training (trainer/gate.py)."""
-        return self.settings.promote_gate != "none" and in_gate_holdout(ep["completion_id"],
-                                                                        self.settings.promote_gate_share)
+        """Whether the gate holds this episode out of training (trainer/gate.py). A completion the show-gate
+        hid is never held out: the user saw nothing, so it says nothing of a weight version (``drop_reason``
+        drops it as "gate_hidden")."""
+        return (self.settings.promote_gate != "none" and ep.get("gate_shown") is not False
+                and in_gate_holdout(ep["completion_id"], self.settings.promote_gate_share))
 
     def _read_head_feed(self) -> bool:
         """Count what the head reader brought for the canaries (it follows the oldest running canary's start,
