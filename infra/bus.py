@@ -341,6 +341,19 @@ _LEADERSHIP_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT
                       KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError.REQUEST_TIMED_OUT}
 
 
+def first_offsets_at(consumer: Consumer, topic: str, partitions, since_ms: int,
+                     timeout_s: float = 10.0) -> dict[int, int]:
+    """Each partition's first offset whose timestamp is at or after ``since_ms``; where none is that late,
+    the partition's end (read *before* the time lookup: an OFFSET_END resolved later could skip a message
+    produced meanwhile). The one "offsets for a time" of the project: the trainer's head feed, the spool's
+    replay check and history replay all seek with it."""
+    partitions = sorted(partitions)
+    ends = {p: watermark_offsets(consumer, TopicPartition(topic, p), timeout_s)[1] for p in partitions}
+    found = consumer.offsets_for_times([TopicPartition(topic, p, max(0, since_ms)) for p in partitions],
+                                       timeout=timeout_s)
+    return {tp.partition: tp.offset if tp.offset >= 0 else ends[tp.partition] for tp in found}
+
+
 def watermark_offsets(consumer: Consumer, tp: TopicPartition, timeout_s: float = 30.0) -> tuple[int, int]:
     """(low, high) of a partition, waiting out what a broker says right after it restarts (no leader yet)."""
     deadline = time.monotonic() + timeout_s

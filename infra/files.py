@@ -85,3 +85,12 @@ def _tighten(path: Path, st: os.stat_result, mode: int, fd: int | None = None) -
         os.fchmod(fd, mode)
     else:
         os.chmod(path, mode)
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of a log, for an error message that says why something stopped; a word
+    instead when the log is not there. The one log tail of the project (supervisor, benches, Kafka)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return f"({path} does not exist)"

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.files import PRIVATE_UMASK, open_private, private_dir, write_private
+from infra.files import PRIVATE_UMASK, log_tail, open_private, private_dir, write_private
 from infra.settings import Settings
 
 POM = Path(__file__).parent / "kafka" / "pom.xml"
@@ -259,10 +259,7 @@ class LocalKafka:
         return broker_answers(self.settings)
 
     def _log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return log_tail(self.log_file, lines)
 
 
 def find_java(java_cmd: str = "java", *, needed_by: str, min_major: int = MIN_JAVA) -> str:

@@ -22,7 +22,8 @@ from typing import Iterable
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from infra.bus import EVENT_ID_HEADER, EventProducer, PublishError, broker_answers, watermark_offsets
+from infra.bus import (EVENT_ID_HEADER, EventProducer, PublishError, broker_answers, first_offsets_at,
+                       watermark_offsets)
 from infra.settings import Settings
 from schemas.codec import Codec
 from schemas.events import Event
@@ -251,14 +252,13 @@ def event_ids_on_kafka(settings: Settings, records: Iterable[SpoolRecord]) -> se
     try:
         for topic in {r.topic for r in records}:
             meta = consumer.list_topics(topic, timeout=10).topics[topic]
-            starts = consumer.offsets_for_times([TopicPartition(topic, p, since) for p in meta.partitions], 10)
+            starts = first_offsets_at(consumer, topic, meta.partitions, since)
             assignment, remaining = [], set()
-            for tp in starts:
-                _, high = watermark_offsets(consumer, TopicPartition(topic, tp.partition))
-                start = tp.offset if tp.offset >= 0 else high  # -1: nothing that recent
+            for partition, start in starts.items():
+                _, high = watermark_offsets(consumer, TopicPartition(topic, partition))
                 if start < high:
-                    assignment.append(TopicPartition(topic, tp.partition, start))
-                    remaining.add(tp.partition)
+                    assignment.append(TopicPartition(topic, partition, start))
+                    remaining.add(partition)
             if not assignment:
                 continue
             consumer.assign(assignment)

@@ -407,7 +407,7 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
     from infra.errors import TabloopError
     from infra.kafka_broker import LocalKafka, free_port
     from infra.settings import to_environ
-    from tabloop.supervisor import tail
+    from infra.files import log_tail
 
     if not 1 <= workers <= settings.topic_partitions:
         raise TabloopError(f"--workers {workers}: give 1 to the topics' {settings.topic_partitions} partitions "
@@ -444,7 +444,7 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
                     if worker.poll() is not None:
                         log_file = work / f"streams-{i}.log"
                         raise RuntimeError(f"streams worker {i} exited with {worker.returncode}; "
-                                           f"the end of {log_file}:\n{tail(log_file, 40)}")
+                                           f"the end of {log_file}:\n{log_tail(log_file, 40)}")
                 time.sleep(0.2)
             return None
 

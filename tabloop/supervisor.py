@@ -34,7 +34,7 @@ from typing import Callable, Collection, TextIO
 
 import httpx
 
-from infra.files import PRIVATE_UMASK, open_private, private_dir, write_private
+from infra.files import PRIVATE_UMASK, log_tail, open_private, private_dir, write_private
 from infra.kafka_broker import pid_alive
 from infra.settings import Settings, to_environ
 
@@ -706,7 +706,7 @@ def wait_all_healthy(settings: Settings, proc: subprocess.Popen, timeout_s: floa
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise UpError(f"the supervisor exited with code {proc.returncode}:\n"
-                          f"{tail(log_dir(settings) / 'supervisor.log')}")
+                          f"{log_tail(log_dir(settings) / 'supervisor.log')}")
         status = read_status(settings)
         if status:
             rows = [r for r in status["components"] if r["state"] != "not installed"]
@@ -715,7 +715,7 @@ def wait_all_healthy(settings: Settings, proc: subprocess.Popen, timeout_s: floa
             for r in rows:
                 if r["restarts"] >= max_restarts and not r["healthy"]:
                     raise UpError(f"{r['component']} crashed {r['restarts']} times before becoming healthy "
-                                  f"(last exit {r['last_exit']}); the end of {r['log']}:\n{tail(Path(r['log']))}")
+                                  f"(last exit {r['last_exit']}); the end of {r['log']}:\n{log_tail(Path(r['log']))}")
         time.sleep(0.5)
     waiting = [r["component"] for r in (status or {}).get("components", [])
                if r["state"] not in ("not installed", "healthy")]
@@ -749,13 +749,6 @@ def stop_supervisor(settings: Settings, timeout_s: float = 60.0) -> list[str]:
             said.append(f"{row['component']} (pid {child}) was left running: killed")
     (run_dir(settings) / PID_FILE).unlink(missing_ok=True)
     return said
-
-
-def tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return f"({path} does not exist)"
 
 
 def live_status(settings: Settings) -> dict:

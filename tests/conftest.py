@@ -58,6 +58,9 @@ def make_settings(tmp_path, **overrides) -> Settings:
     Every test shares the session's broker, so all agree on the topics' partition count.
     """
     overrides.setdefault("topic_partitions", TEST_PARTITIONS)
+    # The show-gate off unless a test asks for it: a trainer's learner would publish a shared gate on the
+    # session's broker, and every later test's front door would start hiding completions.
+    overrides.setdefault("show_gate", False)
     return load_settings(environ={}, state_dir=str(tmp_path), **overrides)
 
 

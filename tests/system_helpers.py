@@ -118,7 +118,8 @@ class Quiet:
 
 def explain_system(settings, lines: int = 40) -> str:
     """The status table, the end of the supervisor's log and of every unhealthy component's log."""
-    from tabloop.supervisor import format_table, log_dir, tail
+    from infra.files import log_tail
+    from tabloop.supervisor import format_table, log_dir
 
     proc = cli(settings, "status", "--json")
     try:
@@ -130,7 +131,7 @@ def explain_system(settings, lines: int = 40) -> str:
         unhealthy = [r["component"] for r in st["components"]
                      if not r["healthy"] and r["state"] != "not installed" and r["component"] != "kafka"]
     for name in ["supervisor", *unhealthy]:
-        parts.append(f"--- the end of {name}.log ---\n{tail(log_dir(settings) / f'{name}.log', lines)}")
+        parts.append(f"--- the end of {name}.log ---\n{log_tail(log_dir(settings) / f'{name}.log', lines)}")
     return "\n".join(parts)
 
 

@@ -49,7 +49,7 @@ def test_which_gate_a_project_is_served_by_hand():
 @pytest.mark.kafka
 def test_gate_versions_are_hot_loaded_logged_on_every_completion_and_rolled_back(kafka, tiny_model, tmp_path):
     settings = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
-                             completions_port=0, feedback_port=0)
+                             completions_port=0, feedback_port=0, show_gate=True)
     ensure_topics(settings)
     project = unique("gated")
     key = KeyStore(settings.keys_file).add(project, "u", rate_per_minute=100_000)

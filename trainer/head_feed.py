@@ -27,6 +27,7 @@ import time
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from infra.bus import first_offsets_at
 from infra.settings import Settings
 
 log = logging.getLogger("tabloop.trainer")
@@ -82,14 +83,8 @@ class HeadFeed:
         metadata = self.consumer.list_topics(self.topic, timeout=5).topics[self.topic]
         if metadata.error is not None:
             raise KafkaException(metadata.error)
-        partitions = sorted(metadata.partitions)
-        # The end offsets first: where the time lookup finds no episode that late (-1), every episode from
-        # there on came after it, and OFFSET_END, resolved later, could skip one produced meanwhile.
-        ends = {p: self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=5)[1]
-                for p in partitions}
-        wanted = [TopicPartition(self.topic, p, max(0, since_ms - SEEK_SLACK_MS)) for p in partitions]
-        return [TopicPartition(self.topic, tp.partition, tp.offset if tp.offset >= 0 else ends[tp.partition])
-                for tp in self.consumer.offsets_for_times(wanted, timeout=5)]
+        starts = first_offsets_at(self.consumer, self.topic, metadata.partitions, since_ms - SEEK_SLACK_MS, 5)
+        return [TopicPartition(self.topic, p, offset) for p, offset in sorted(starts.items())]
 
     def poll(self, max_messages: int = 500) -> list:
         """What has arrived (no wait), while reading; the messages with errors left out."""

@@ -196,7 +196,7 @@ def records_from_kafka(settings: Settings, selection: Selection) -> Iterator[tup
     each partition has now."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-    from infra.bus import KafkaUnavailable, decode_message, make_codec
+    from infra.bus import KafkaUnavailable, decode_message, first_offsets_at, make_codec
 
     codec = make_codec(settings)
     consumer = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "tabloop-replay",
@@ -214,9 +214,7 @@ def records_from_kafka(settings: Settings, selection: Selection) -> Iterator[tup
                 low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
                 start = max(low, selection.start_offsets.get((topic, p), low))
                 if selection.since is not None and (topic, p) not in selection.start_offsets:
-                    found = consumer.offsets_for_times([TopicPartition(topic, p, millis(selection.since))],
-                                                       timeout=10)[0]
-                    start = high if found.offset < 0 else max(start, found.offset)
+                    start = max(start, first_offsets_at(consumer, topic, [p], millis(selection.since))[p])
                 if start < high:
                     assignment.append(TopicPartition(topic, p, start))
                     ends[p] = high
