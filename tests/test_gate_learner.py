@@ -73,6 +73,17 @@ def test_decided_from_episode_by_hand():
     assert decided_from_episode(episode(8, text="  \n")) is None
 
 
+def test_a_multi_line_episode_is_scored_on_its_first_line_as_the_door_scored_it():
+    """The door decides on the first line and the tokens up to the one that ended it; a learner that scored
+    the whole episode would fit a gate on figures the door never sees."""
+    from policy.show_gate import line_features
+
+    record = {**episode(1, text="ab\ncd", logprobs=(-1.0, -2.0, -3.0, -4.0)), "completion_token_ends": [1, 3, 4, 5]}
+    assert decided_from_episode(record).features == tuple(line_features("ab", [-1.0, -2.0]))
+    assert decided_from_episode(record).accepted_chars == 5  # the user kept all of what was shown
+    assert decided_from_episode({**record, "completion_token_ends": []}) is None  # no ends: cannot cut it
+
+
 def test_the_ppo_trainer_drops_gate_hidden_episodes():
     """A completion the gate hid was never the model's choice to show nothing: never trained on."""
     hidden = episode(1, outcome="IGNORED", gate_shown=False, show_probability=0.9)

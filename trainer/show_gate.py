@@ -44,7 +44,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from policy.show_gate import FEATURES, Decided, FitConfig, Gate, cross_fitted_scores, fit_gate, line_features
+from policy.show_gate import (FEATURES, Decided, FitConfig, Gate, cross_fitted_scores, first_line_features, fit_gate,
+                               line_features)
 from schemas.events import Event, new_event
 from streams.rewards import RewardSpec, RewardSpecs
 from trainer.ope import effective_sample_size, ratio_estimate
@@ -88,8 +89,11 @@ def decided_from_episode(record: dict, specs: RewardSpecs | None = None) -> Deci
         accepted_chars = chars * partial_share(record, specs.for_project(record.get("project_id") or ""))
     else:
         accepted_chars = chars
+    features = _first_line_features(record)
+    if features is None:
+        return None
     p = record.get("show_probability")
-    return Decided(features=tuple(line_features(text, record.get("behaviour_logprobs") or [])),
+    return Decided(features=features,
                    accepted=outcome != "REJECTED", accepted_chars=accepted_chars,
                    show_probability=1.0 if p is None else float(p))
 
@@ -98,7 +102,15 @@ def hidden_features(record: dict) -> tuple[float, ...] | None:
     """The features of the line the gate hid (an Episode with gate_shown false), or None for any other."""
     if record.get("gate_shown") is not False or not record.get("matched"):
         return None
-    return tuple(line_features(record.get("completion_text") or "", record.get("behaviour_logprobs") or []))
+    return _first_line_features(record)
+
+
+def _first_line_features(record: dict) -> tuple[float, ...] | None:
+    """The figures the door scored: those of the episode's first line (a multi-line one is cut by its tokens'
+    text ends; None when an older episode has no ends to cut by)."""
+    features = first_line_features(record.get("completion_text") or "", record.get("behaviour_logprobs") or [],
+                                   record.get("completion_token_ends") or [])
+    return None if features is None else tuple(features)
 
 
 # -- off-policy estimates ---------------------------------------------------------------------------------
