@@ -44,8 +44,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from policy.show_gate import (FEATURES, Decided, FitConfig, Gate, cross_fitted_scores, first_line_features, fit_gate,
-                               line_features)
+from policy.show_gate import FEATURES, Decided, FitConfig, Gate, cross_fitted_scores, first_line_features, fit_gate
 from schemas.events import Event, new_event
 from streams.rewards import RewardSpec, RewardSpecs
 from trainer.ope import effective_sample_size, ratio_estimate
