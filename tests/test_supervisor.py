@@ -266,6 +266,81 @@ def test_failed_kafka_questions_get_a_fresh_probe_process_and_no_hung_restart(ka
             sup.probes.close()
 
 
+@pytest.mark.kafka
+def test_children_end_when_the_supervisor_itself_is_sigkilled(kafka, tmp_path):
+    """A supervisor killed outright (SIGKILL, the OOM killer) runs no cleanup; its children still end
+    (PR_SET_PDEATHSIG: the kernel sends each SIGTERM), so no component outlives it holding ports or groups."""
+    import sys
+
+    from infra.bus import ensure_topics
+    from infra.settings import to_environ
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    ensure_topics(settings)
+    program = ("from infra.settings import load_settings; from tabloop import supervisor as sv; "
+               "sv.Supervisor(load_settings(), (sv.Component('follower', ('events', 'dump', 'tabloop.weights', "
+               "'--follow'), health='alive', grace_s=1),)).run()")
+    supervisor = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, env={**os.environ, **to_environ(settings)},
+                                  start_new_session=True)
+    child = None
+    try:
+        def running_child():
+            st = sv.read_status(settings)
+            return st and st["supervisor_pid"] == supervisor.pid and st["components"][0]["healthy"] \
+                and st["components"][0]["pid"]
+
+        child = _wait(running_child, 60, "the supervisor's child to run")
+        assert pid_alive(child)
+        supervisor.kill()
+        assert supervisor.wait(10) == -signal.SIGKILL
+        _wait(lambda: not pid_alive(child), 30, f"the orphaned child {child} to end")
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+        if child and pid_alive(child):
+            os.killpg(child, signal.SIGKILL)
+
+
+@pytest.mark.kafka
+def test_a_front_door_that_stops_answering_is_restarted(kafka, tiny_model, tmp_path, monkeypatch):
+    """The supervisor's liveness probe: a front door that was healthy and then stops answering /readyz (here
+    SIGSTOPped: alive, its port open, nothing answered) is killed after HUNG_RESTART_S and started again."""
+    import threading
+
+    from infra.bus import ensure_topics
+
+    monkeypatch.setattr(sv, "HUNG_RESTART_S", 4.0)  # the rule under test; 120 s in production
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
+                             completions_port=free_port(), feedback_port=free_port(), auth="open")
+    ensure_topics(settings)
+    serve = next(c for c in sv.COMPONENTS if c.name == "serve")
+    out = io.StringIO()
+    sup = sv.Supervisor(settings, (serve,), out=out)
+    thread = threading.Thread(target=sup.run)
+    thread.start()
+    [door] = sup.children
+    stopped = None
+    try:
+        _wait(lambda: door.healthy and door.pid, 180, "the front door to be healthy",
+              explain=lambda: out.getvalue()[-3000:])
+        stopped = door.pid
+        os.kill(stopped, signal.SIGSTOP)
+        _wait(lambda: door.restarts == 1 and door.pid not in (None, stopped), 60, "the hung front door restarted",
+              explain=lambda: out.getvalue()[-3000:])
+        assert door.last_exit == -signal.SIGKILL and not pid_alive(stopped)
+        assert re.search(r"serve has been unhealthy for 4s \(no 200 from http://[\d.]+:\d+/readyz\); restarting it",
+                         out.getvalue()), out.getvalue()[-3000:]
+        _wait(lambda: door.healthy, 180, "the restarted front door to be healthy", explain=lambda: out.getvalue()[-3000:])
+        assert httpx.get(sup.probes.ready_url, timeout=10).status_code == 200
+    finally:
+        sup.stop()
+        thread.join(60)
+        if stopped and pid_alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+    assert not thread.is_alive()
+
+
 # -- the whole system, as `make up` runs it -------------------------------------------------------
 
 
