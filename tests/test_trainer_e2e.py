@@ -126,6 +126,31 @@ def make_worse(base_dir: str, out_dir) -> str:
     return str(out_dir)
 
 
+def binomial_tail(n: int, k: int, p: float) -> float:
+    """min(P(X <= k), P(X >= k)) for X ~ Binomial(n, p)."""
+    from math import comb
+
+    pmf = [comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(n + 1)]
+    return min(sum(pmf[:k + 1]), sum(pmf[k:]))
+
+
+def assert_share_served(during: list[int], version: int, share: float, alpha: float = 1e-4) -> None:
+    """The canary served its share of the requests while it ran, whatever their number: the count is one a
+    fair split at ``share`` makes with probability above ``alpha`` (a few requests allow much, many little;
+    the rule used to let any split through below 20 requests)."""
+    n, k = len(during), during.count(version)
+    assert n >= 2 and binomial_tail(n, k, share) > alpha, (f"{k} of {n} requests from the canary "
+                                                           f"(share {share}): {during}")
+
+
+def test_the_share_check_refuses_what_a_fair_canary_would_not_serve():
+    assert_share_served([0, 7] * 5, 7, 0.5)
+    assert_share_served([0] * 3 + [7] * 7, 7, 0.5)  # 7 of 10: a fair coin does that
+    for unfair in ([0] + [7] * 18, [7] * 19 + [0], [0] * 15 + [7] * 45, [0] * 40 + [7] * 2):
+        with pytest.raises(AssertionError):
+            assert_share_served(unfair, 7, 0.5)
+
+
 def test_feedback_to_new_version_to_serving_rollback_and_canary(kafka, tiny_model, tmp_path):
     base = str(tmp_path / "base")
     shutil.copytree(tiny_model, base)
@@ -213,5 +238,5 @@ def test_feedback_to_new_version_to_serving_rollback_and_canary(kafka, tiny_mode
     last = max(i for i, v in enumerate(served) if v == version)
     during = served[canary_at:last + 1]
     assert set(during) == {0, version}
-    assert 0.2 < during.count(version) / len(during) < 0.8 or len(during) < 20, during
+    assert_share_served(during, version, 0.5)
     assert v0_at > v1_at
