@@ -70,7 +70,8 @@ def test_history_token_is_made_once_and_private(tmp_path):
 def test_history_schema_prints_what_the_sink_makes():
     r = CliRunner().invoke(main, ["history", "schema"], env={"TABLOOP_HISTORY_RETENTION_DAYS": "feedback=9"})
     assert r.exit_code == 0
-    assert r.output.count("CREATE TABLE") == 6 and r.output.count("CREATE OR REPLACE VIEW") == 7
+    assert r.output.count("CREATE TABLE") == 7 and r.output.count("CREATE OR REPLACE VIEW") == 7
+    assert "CREATE TABLE IF NOT EXISTS tabloop.gates (" in r.output  # the show-gate's versions
     assert "CREATE OR REPLACE VIEW tabloop.version_estimates AS" in r.output
     assert "TTL toDateTime(received_at) + INTERVAL 9 DAY" in r.output
     bad = CliRunner().invoke(main, ["history", "schema"], env={"TABLOOP_HISTORY_RETENTION_DAYS": "x=1"})
