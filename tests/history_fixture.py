@@ -80,6 +80,7 @@ def analytics_fixture(seed: int = 7, per_day: int = 120, days: int = 4, prefix: 
     """Completions over ``days`` days (ending today) across versions, projects, users and languages,
     with an episode for most and feedback for the decided ones, plus a few off-policy episodes."""
     rng = random.Random(seed)
+    gate_rng = random.Random(seed + 1)  # its own stream: the other draws stay what they were
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     fx = Fixture()
     for d in range(days):
@@ -92,6 +93,9 @@ def analytics_fixture(seed: int = 7, per_day: int = 120, days: int = 4, prefix: 
             project, user = rng.choice([f"{prefix}p-a", f"{prefix}p-b"]), rng.choice(["u1", "u2", "u3"])
             prompt = f"<|fim_prefix|>def f{d}_{i}():<|fim_suffix|><|fim_middle|>"
             aborted = rng.random() < 0.1
+            hidden = not aborted and gate_rng.random() < 0.1  # the show-gate hid it: an episode at once, no feedback
+            gate = {"gate_version": 1, "gate_score": 0.05, "gate_threshold": 0.2, "gate_shown": False,
+                    "show_probability": 0.1} if hidden else {}
             c = new_event("CompletionServed", served_at=served, completion_id=f"cmpl-{prefix}{d}-{i}-{seed}",
                           project_id=project, user_id=user, model="tiny", policy_version=version, prompt=prompt,
                           prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(), filepath=rng.choice(FILES),
@@ -99,9 +103,16 @@ def analytics_fixture(seed: int = 7, per_day: int = 120, days: int = 4, prefix: 
                           completion_logprobs=[-0.5, -0.25, -1.0], finish_reason="stop", aborted=aborted,
                           temperature=0.2, top_p=0.95, max_tokens=16,
                           ttft_ms=round(rng.uniform(5, 80), 3), latency_ms=round(rng.lognormvariate(4.5, 0.6), 3),
-                          replica_id="r0")
+                          replica_id="r0", **gate)
             fx.completions.append(c)
             if aborted:
+                continue
+            if hidden:
+                fx.episodes.append(new_event(
+                    "Episode", joined_at=served, completion_id=c.record["completion_id"], project_id=project,
+                    user_id=user, policy_version=version, prompt=prompt, completion_text="    return 1",
+                    completion_token_ids=[1, 2, 3], behaviour_logprobs=[-0.5, -0.25, -1.0], outcome="IGNORED",
+                    reward=0.0, reward_components={"acceptance": 0.0}, scorer="acceptance", matched=True, **gate))
                 continue
             outcome = rng.choices(["ACCEPTED", "REJECTED", "IGNORED"], weights=[0.2 + 0.1 * version, 0.6, 0.2])[0]
             joined = served + timedelta(seconds=rng.randrange(1, 30))
@@ -135,7 +146,9 @@ def expected_analytics(fx: Fixture) -> dict:
     def counts(group: list[Event]) -> dict:
         outcomes = [e.record["outcome"] for e in group]
         acc, part, rej = outcomes.count("ACCEPTED"), outcomes.count("PARTIAL"), outcomes.count("REJECTED")
-        return {"episodes": len(group), "accepted": acc, "rejected": rej, "ignored": outcomes.count("IGNORED"),
+        hidden = sum(1 for e in group if not e.record["gate_shown"])
+        return {"episodes": len(group), "accepted": acc, "rejected": rej,
+                "ignored": outcomes.count("IGNORED") - hidden, "gate_hidden": hidden,
                 "acceptance_rate": round((acc + part) / (acc + part + rej), 6) if acc + part + rej else None}
 
     by_version, breakdown, reward = defaultdict(list), defaultdict(list), defaultdict(list)
@@ -146,14 +159,15 @@ def expected_analytics(fx: Fixture) -> dict:
         lang = LANGUAGE_OF[c.record["filepath"]] if c else "unknown"
         breakdown[(r["policy_version"], day(r["joined_at"]), lang, r["project_id"], r["user_id"])].append(e)
         reward[(r["policy_version"], day(r["joined_at"]))].append(r["reward"])
-    shown: dict = defaultdict(lambda: {"served": 0, "shown": 0, "accepted": 0, "rejected": 0})
+    shown: dict = defaultdict(lambda: {"served": 0, "shown": 0, "accepted": 0, "rejected": 0, "gate_hidden": 0})
     outcome_of = {e.record["completion_id"]: e.record["outcome"] for e in fx.episodes if e.record["matched"]}
     latency = defaultdict(list)
     for c in fx.completions:
         r = c.record
         s = shown[(day(r["served_at"]), r["project_id"], r["policy_version"])]
         s["served"] += 1
-        s["shown"] += not r["aborted"]
+        s["shown"] += not r["aborted"] and r["gate_shown"]
+        s["gate_hidden"] += not r["gate_shown"]
         s["accepted"] += outcome_of.get(r["completion_id"]) in ("ACCEPTED", "PARTIAL")
         s["rejected"] += outcome_of.get(r["completion_id"]) == "REJECTED"
         latency[day(r["served_at"])].append((r["latency_ms"], r["ttft_ms"]))

@@ -86,6 +86,8 @@ def test_dashboard_draws_the_fixture_numbers(served, browser):
 
         tiles = page.inner_text("#tiles")
         assert f"{sum(shown.values()):,}" in tiles and f"{sum(accepted.values()):,}" in tiles
+        hidden = sum(r["gate_hidden"] for r in want["shown_vs_accepted"].values())
+        assert hidden > 0 and f"{hidden:,}\nhidden by the show-gate" in tiles
         # the values behind each chart are on the page as a table too
         assert page.locator("#latency-chart details.values tbody tr").count() == len(want["latency_by_day"])
     finally:

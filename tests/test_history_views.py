@@ -88,7 +88,7 @@ def test_acceptance_by_version_matches_python(loaded):
     got = {}
     for r in store.query(f"SELECT * FROM {store.database}.acceptance_by_version").records():
         got[(r["policy_version"], _day(r["day"]))] = {k: r[k] for k in
-                                                     ("episodes", "accepted", "rejected", "ignored", "acceptance_rate")}
+                                                     ("episodes", "accepted", "rejected", "ignored", "gate_hidden", "acceptance_rate")}
     assert got == want["acceptance_by_version"]
     assert len(got) >= 8  # versions × days: a real breakdown, not one group
 
@@ -98,7 +98,7 @@ def test_acceptance_breakdown_by_language_project_user_matches_python(loaded):
     got = {}
     for r in store.query(f"SELECT * FROM {store.database}.acceptance").records():
         key = (r["policy_version"], _day(r["day"]), r["language"], r["project_id"], r["user_id"])
-        got[key] = {k: r[k] for k in ("episodes", "accepted", "rejected", "ignored", "acceptance_rate")}
+        got[key] = {k: r[k] for k in ("episodes", "accepted", "rejected", "ignored", "gate_hidden", "acceptance_rate")}
     assert got == want["acceptance"]
     assert {k[2] for k in got} >= {"python", "typescript", "go", "rust", "other", "unknown"}
 
@@ -106,7 +106,7 @@ def test_acceptance_breakdown_by_language_project_user_matches_python(loaded):
 def test_shown_vs_accepted_matches_python(loaded):
     store, _, want = loaded
     got = {(_day(r["day"]), r["project_id"], r["policy_version"]):
-           {k: r[k] for k in ("served", "shown", "accepted", "rejected")}
+           {k: r[k] for k in ("served", "shown", "accepted", "rejected", "gate_hidden")}
            for r in store.query(f"SELECT * FROM {store.database}.shown_vs_accepted").records()}
     assert got == want["shown_vs_accepted"]
 

@@ -144,8 +144,9 @@ _OUTCOME_COUNTS = """count() AS episodes,
   countIf(outcome = 'ACCEPTED') AS accepted,
   countIf(outcome = 'PARTIAL') AS partial,
   countIf(outcome = 'REJECTED') AS rejected,
-  countIf(outcome = 'IGNORED') AS ignored,
-  round((accepted + partial) / nullIf(accepted + partial + rejected, 0), 6) AS acceptance_rate"""
+  countIf(outcome = 'IGNORED' AND gate_shown) AS ignored,
+  round((accepted + partial) / nullIf(accepted + partial + rejected, 0), 6) AS acceptance_rate,
+  countIf(NOT gate_shown) AS gate_hidden"""
 
 
 def view_ddls(db: str) -> dict[str, str]:
@@ -164,8 +165,9 @@ SELECT e.policy_version AS policy_version, toDate(e.joined_at) AS day,
   countIf(e.outcome = 'ACCEPTED') AS accepted,
   countIf(e.outcome = 'PARTIAL') AS partial,
   countIf(e.outcome = 'REJECTED') AS rejected,
-  countIf(e.outcome = 'IGNORED') AS ignored,
-  round((accepted + partial) / nullIf(accepted + partial + rejected, 0), 6) AS acceptance_rate
+  countIf(e.outcome = 'IGNORED' AND e.gate_shown) AS ignored,
+  round((accepted + partial) / nullIf(accepted + partial + rejected, 0), 6) AS acceptance_rate,
+  countIf(NOT e.gate_shown) AS gate_hidden
 FROM {db}.episodes AS e FINAL
 LEFT JOIN (SELECT completion_id, {language_expr('filepath')} AS language FROM {db}.completions FINAL) AS c
   ON e.completion_id = c.completion_id
@@ -174,9 +176,10 @@ ORDER BY day, policy_version, language, project_id, user_id""",
         "shown_vs_accepted": f"""
 SELECT toDate(c.served_at) AS day, c.project_id AS project_id, c.policy_version AS policy_version,
   count() AS served,
-  countIf(NOT c.aborted) AS shown,
+  countIf(NOT c.aborted AND c.gate_shown) AS shown,
   countIf(e.outcome IN ('ACCEPTED', 'PARTIAL')) AS accepted,
-  countIf(e.outcome = 'REJECTED') AS rejected
+  countIf(e.outcome = 'REJECTED') AS rejected,
+  countIf(NOT c.gate_shown) AS gate_hidden
 FROM {db}.completions AS c FINAL
 LEFT JOIN (SELECT completion_id, outcome FROM {db}.episodes FINAL WHERE matched) AS e
   ON c.completion_id = e.completion_id

@@ -103,7 +103,7 @@ def dashboard_data(store: HistoryStore, days: int = 30, project: str | None = No
         latency = rows(f"""SELECT day, completions, latency_p50, latency_p90, latency_p99, ttft_p50
             FROM {db}.latency_by_day WHERE {since} ORDER BY day""")
     shown = rows(f"""SELECT day, sum(served) AS served, sum(shown) AS shown, sum(accepted) AS accepted,
-        sum(rejected) AS rejected FROM {db}.shown_vs_accepted WHERE {since}{where_project}
+        sum(rejected) AS rejected, sum(gate_hidden) AS gate_hidden FROM {db}.shown_vs_accepted WHERE {since}{where_project}
         GROUP BY day ORDER BY day""")
     return {"days": days, "project": project, "acceptance": acceptance, "shown": shown, "latency": latency,
             "reward": reward}

@@ -54,7 +54,7 @@
       {name: "shown", values: Object.fromEntries(data.shown.map(r => [r.day, r.shown]))},
       {name: "accepted", values: Object.fromEntries(data.shown.map(r => [r.day, r.accepted]))},
     ], {label: "suggestions shown vs accepted", empty: "no completions served yet"});
-    valuesTable(plot("shown-chart"), ["day", "served", "shown", "accepted", "rejected"], data.shown);
+    valuesTable(plot("shown-chart"), ["day", "served", "shown", "accepted", "rejected", "gate_hidden"], data.shown);
 
     lineChart(plot("latency-chart"), ["p50", "p90", "p99"].map(q => ({
       name: q, points: data.latency.map(r => ({x: r.day, y: r[`latency_${q}`]})),
@@ -74,6 +74,7 @@
       tile("suggestions shown", shown.toLocaleString("en")),
       tile("accepted", accepted.toLocaleString("en")),
       tile("accepted / shown", shown ? pct(accepted / shown) : "–"),
+      tile("hidden by the show-gate", sum(data.shown, "gate_hidden").toLocaleString("en")),
       tile("episodes", sum(data.reward, "episodes").toLocaleString("en")),
     );
   }
