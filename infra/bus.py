@@ -115,7 +115,9 @@ class EventProducer:
 
     def __init__(self, settings: Settings, codec: Codec | None = None, *, client_id: str = "tabloop",
                  overrides: dict | None = None):
+        self._owns_codec = codec is None
         self.codec = codec or make_codec(settings)
+        self.codec.prepare()  # schema ids looked up once, at start: no publish waits on the registry
         conf = {
             **_client_config(settings),
             "client.id": client_id,
@@ -222,6 +224,8 @@ class EventProducer:
         finally:
             self._closed.set()
             self._poller.join(timeout=5)
+            if self._owns_codec:
+                self.codec.close()
 
     def __enter__(self) -> "EventProducer":
         return self
@@ -263,7 +267,9 @@ class EventConsumer:
 
     def __init__(self, settings: Settings, group_id: str, topics: Iterable[str], codec: Codec | None = None,
                  *, from_beginning: bool = True, client_id: str = "tabloop", overrides: dict | None = None):
+        self._owns_codec = codec is None
         self.codec = codec or make_codec(settings)
+        self.codec.prepare()  # schema ids looked up once, at start: no publish waits on the registry
         conf = {
             **_client_config(settings),
             "group.id": group_id,

@@ -150,6 +150,8 @@ class Settings(BaseModel):
     canary_share: float = Field(0.0, ge=0, lt=1, description="share of requests a new version serves first; 0 = no canary")
     canary_min_episodes: int = Field(50, ge=1, description="episodes of each version before a canary is decided")
     canary_margin: float = Field(0.05, ge=0, le=1, description="promote unless the canary's accept rate is this much lower")
+    canary_max_wait_s: float = Field(3600.0, gt=0, description="a canary still undecided this long after it went out "
+                                     "is withdrawn (recorded on tabloop.weights) so the next version can go out")
     promote_gate: Literal["none", "ope", "shadow"] = Field(
         "none", description="ope: a new version is promoted (or put on canary) only if the lower bound of its "
         "off-policy mean-reward estimate, on episodes held out of training, beats the serving version's logged mean "

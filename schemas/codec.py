@@ -97,6 +97,19 @@ class Codec:
             if old_fp not in self._by_fingerprint:
                 self._by_fingerprint[old_fp] = _Writer(name, old, EVENT_TYPES[name].schema)
 
+    def prepare(self) -> None:
+        """Look up every event type's schema id now (Confluent format; nothing without a registry), so that
+        no encode waits on the registry later: a process calls it at its start."""
+        if self.registry is not None:
+            for type_name in EVENT_TYPES:
+                self._header(type_name)
+
+    def close(self) -> None:
+        """Close the registry client, if any (its connections)."""
+        close = getattr(self.registry, "close", None)
+        if close is not None:
+            close()
+
     @property
     def wire_format(self) -> str:
         return "confluent" if self.registry is not None else "single-object"

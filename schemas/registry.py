@@ -3,9 +3,15 @@
 Used by the codec when ``TABLOOP_SCHEMA_REGISTRY_URL`` is set: schemas are
 registered under the TopicNameStrategy subject (``<topic>-value``) and looked
 up by id when decoding. Both answers are cached: ids are immutable.
+
+Credentials in the URL (``https://user:password@host``) become HTTP basic auth
+and never appear in a message: ``url`` is the URL without them. The client
+holds an HTTP connection pool: ``close()`` it with the process that owns it.
 """
 
 from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -20,11 +26,25 @@ class SchemaRegistryError(RuntimeError):
 
 class ConfluentSchemaRegistry:
     def __init__(self, url: str, *, auth: tuple[str, str] | None = None, timeout_s: float = 10.0):
-        self.url = url.rstrip("/")
+        self.url, in_url = without_credentials(url.rstrip("/"))
+        auth = auth or in_url
+        self._secrets = [x for x in (auth or ()) if x]
         self._http = httpx.Client(base_url=self.url, auth=auth, timeout=timeout_s,
                                   headers={"Accept": CONTENT_TYPE})
         self._ids: dict[tuple[str, str], int] = {}
         self._schemas: dict[int, str] = {}
+
+    @property
+    def closed(self) -> bool:
+        return self._http.is_closed
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def id_for(self, subject: str, schema: str) -> int:
         cached = self._ids.get((subject, schema))
@@ -62,14 +82,27 @@ class ConfluentSchemaRegistry:
         try:
             resp = self._http.request(method, path, headers={"Content-Type": CONTENT_TYPE}, **kwargs)
         except httpx.HTTPError as exc:
-            raise SchemaRegistryError(f"schema registry {self.url} unreachable: {exc}") from exc
+            raise SchemaRegistryError(f"schema registry {self.url} unreachable: {self._redact(str(exc))}") from None
         if resp.status_code == 404 and missing_ok:
             return resp
         if resp.status_code >= 400:
             raise SchemaRegistryError(
-                f"schema registry {self.url}{path} answered {resp.status_code}: {resp.text[:300]}"
+                f"schema registry {self.url}{path} answered {resp.status_code}: {self._redact(resp.text[:300])}"
             )
         return resp
+
+
+def without_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """``url`` without its ``user:password@`` part, and that part (None without one)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    from urllib.parse import unquote
+
+    return (urlunsplit(parts._replace(netloc=netloc)),
+            (unquote(parts.username or ""), unquote(parts.password or "")))
 
 
 def _error_code(resp: httpx.Response) -> int | None:

@@ -79,6 +79,7 @@ class Server:
                 await asyncio.to_thread(self.gates.stop)
             await self.engine.close()
             await asyncio.to_thread(self.publisher.close)
+            self.publisher.codec.close()  # the registry client, if any
 
     def stop(self) -> None:
         for srv in self._servers:

@@ -11,7 +11,7 @@ logged and skipped; the replica keeps serving what it has.
 Canary: a CANDIDATE whose metrics hold ``canary_share`` > 0 is served next to
 the promoted version for that share of its project's requests, until a
 PROMOTED (it takes over, without a reload) or ROLLED_BACK (it is dropped) event
-for it arrives. ``next_plan`` is the whole rule, as a pure function.
+for it arrives, or a CANDIDATE without the share (the trainer withdrew it: dropped). ``next_plan`` is the whole rule, as a pure function.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def next_plan(plan: ServingPlan, event: dict, base_model: str, *, project: bool 
         share = float((event.get("metrics") or {}).get("canary_share", 0.0))
         if share > 0 and (plan.promoted is None or version != plan.promoted[0]):
             return replace(plan, candidate=(version, event["uri"], event["kind"]), share=share)
+        if candidate is not None and candidate[0] == version:  # the canary withdrawn: a CANDIDATE, no share
+            return replace(plan, candidate=None, share=0.0)
         return plan
     if candidate is not None and candidate[0] == version:  # the canary is decided either way
         plan = replace(plan, candidate=None, share=0.0)

@@ -326,3 +326,120 @@ def test_a_registry_that_never_answers_times_out(tmp_path):
         with pytest.raises(SchemaRegistryError, match=f"schema registry {re.escape(url)} unreachable"):
             client.schema_for(1)
         assert time.monotonic() - started < 5
+
+
+# -- the client's loose ends (issue 31), against a small Confluent-API double ------------------------------
+
+
+class CountingRegistry:
+    """A Confluent-API double on a free port: assigns ids per schema, counts the requests, records the
+    Authorization header; ``hang_s`` makes it sit on every request that long, ``fail`` answer 500."""
+
+    def __init__(self):
+        import base64
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, str]] = []
+        self.auth: list[str | None] = []
+        self.hang_s = 0.0
+        self.fail = False
+        ids: dict[str, int] = {}
+        double = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                double.requests.append(("POST", self.path))
+                double.auth.append(self.headers.get("Authorization"))
+                time.sleep(double.hang_s)
+                if double.fail:
+                    return self._answer(500, {"error_code": 50001, "message": f"failed for {self.path}"})
+                self._answer(200, {"id": ids.setdefault(body["schema"], len(ids) + 1)})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.basic = lambda user, password: "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, userinfo: str = "") -> str:
+        return f"http://{userinfo}127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def counting_registry():
+    double = CountingRegistry()
+    yield double
+    double.stop()
+
+
+def test_a_producer_looks_up_every_schema_id_once_at_start(counting_registry, tmp_path):
+    """The ids are looked up when the producer starts (the front door's feedback path encodes before it answers a
+    202): afterwards no encode asks the registry, so a registry that stalls cannot hold an acknowledgement."""
+    from infra.bus import EventProducer
+
+    settings = make_settings(tmp_path, schema_registry_url=counting_registry.url())
+    producer = EventProducer(settings)
+    try:
+        assert len(counting_registry.requests) == len(EVENT_TYPES), counting_registry.requests
+        counting_registry.hang_s = 5.0  # the registry stalls from now on
+        started = time.monotonic()
+        for name in EVENT_TYPES:
+            assert producer.codec.encode(example_event(name))[:1] == CONFLUENT_MAGIC
+        assert time.monotonic() - started < 1.0
+        assert len(counting_registry.requests) == len(EVENT_TYPES)
+    finally:
+        counting_registry.hang_s = 0.0
+        producer.close()
+
+
+def test_registry_credentials_are_sent_but_never_shown(counting_registry, tmp_path, caplog):
+    """user:password in the URL becomes basic auth; no message (an error answer, an unreachable registry) and no
+    log line carries the password."""
+    secret = "s3cr3t-pw"
+    client = ConfluentSchemaRegistry(counting_registry.url(f"alice:{secret}@"))
+    try:
+        client.id_for(unique_subject(), probe_schema("Creds"))
+        assert counting_registry.auth[-1] == counting_registry.basic("alice", secret)
+        counting_registry.fail = True
+        with pytest.raises(SchemaRegistryError) as failed:
+            client.id_for(unique_subject(), probe_schema("Creds2"))
+        assert "answered 500" in str(failed.value) and secret not in str(failed.value)
+        assert client.url == counting_registry.url()
+    finally:
+        client.close()
+    down = f"http://alice:{secret}@127.0.0.1:{free_port()}"
+    codec = make_codec(make_settings(tmp_path, schema_registry_url=down))
+    with pytest.raises(SchemaRegistryError) as unreachable:
+        codec.encode(example_event("FeedbackReceived"))
+    text = str(unreachable.value) + repr(unreachable.value.__cause__) + repr(unreachable.value.__context__)
+    assert "unreachable" in text and secret not in text and "alice:" not in text
+    assert secret not in caplog.text
+    codec.close()
+
+
+def test_the_registry_client_is_closed_with_its_owner(counting_registry, tmp_path):
+    """A producer that made its own codec closes the registry client with it; so does the trainer's codec."""
+    from infra.bus import EventProducer
+
+    producer = EventProducer(make_settings(tmp_path, schema_registry_url=counting_registry.url()))
+    registry = producer.codec.registry
+    assert not registry.closed
+    producer.close()
+    assert registry.closed

@@ -437,3 +437,133 @@ def test_showing_nothing_is_an_action_the_trainer_trains(tiny_model):
     assert drop_reason(ep, 0, 4) is None
     s = episode_sample(ep, tok, max_prompt_tokens=2048)
     assert s.completion_ids == [tok.eos_token_id] and s.behaviour_logprobs == [-0.7] and s.temperature == 0.7
+
+
+# -- the resume rule and the canary rule (issue 31) ---------------------------------------
+
+
+def _adapter_equals(policy, store, version: int, tmp_path) -> bool:
+    """Whether the policy's LoRA weights are exactly ``version``'s saved adapter."""
+    import torch
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = load_file(str(store.materialize(version, tmp_path / f"v{version}") / "adapter_model.safetensors"))
+    live = get_peft_model_state_dict(policy.model)
+    return saved.keys() == live.keys() and all(torch.equal(saved[k].cpu(), live[k].detach().cpu()) for k in saved)
+
+
+def test_a_restart_resumes_from_the_version_serving_not_an_undecided_canary(setup, tmp_path):
+    """Promote v1, put v2 on canary, stop the trainer, start it again while v2 is undecided, then roll v2 back:
+    the restarted trainer starts from v1's weights (and says so), never from v2's, so the updates it makes
+    before the rollback arrives are kept, and the next version descends from v1."""
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    store = WeightStore(settings.effective_weight_store, base)
+    # Accepts and rejects mixed: a batch of equal rewards has no advantage, and would leave the weights as they are.
+    produce(settings, topic, [episode(tok, i, "acme", accepted=i % 2 == 0) for i in range(4)])
+    train_once(settings, topic, max_versions=1)  # v1, PROMOTED
+    canary = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 50})
+    produce(canary, topic, [episode(tok, 10 + i, "acme", policy_version=1, accepted=i % 2 == 1) for i in range(4)])
+    train_once(canary, topic, max_versions=1)  # v2, an undecided canary; the trainer stops ("killed")
+    assert store.versions() == [1, 2]
+
+    trainer = OnlineTrainer(canary, topic=topic)
+    try:
+        trainer.run(idle_exit_s=1)  # starts, reads the weights topic, nothing to train
+        assert trainer.version == 1
+        assert _adapter_equals(trainer.policy, store, 1, tmp_path), "resumed from other weights than v1's"
+        assert not _adapter_equals(trainer.policy, store, 2, tmp_path)
+        produce(canary, topic, [episode(tok, 20 + i, "acme", policy_version=1) for i in range(4)])
+        trainer.run(idle_exit_s=3)  # one update on v1; the save waits for v2's decision
+        assert trainer.progress.updates == 1 and store.versions() == [1, 2]
+        with EventProducer(canary) as producer:  # `tabloop weights rollback` of the canary
+            producer.publish(version_event(store.manifest(2), "ROLLED_BACK"))
+        produce(canary, topic, [episode(tok, 30 + i, "acme", policy_version=1) for i in range(4)])
+        trainer.run(max_versions=1)
+    finally:
+        trainer.close()
+    m3 = store.manifest(3)
+    assert m3.parent_version == 1
+    assert m3.episodes_trained == 8 and "rolled_back" not in m3.episodes_dropped, m3.episodes_dropped
+    text = (settings.trainer_dir / "trainer.log").read_text()
+    assert "resuming at version 1, the version serving" in text, text[-2000:]
+
+
+def _weight_records(settings, base, want: int):
+    return [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base,
+                                          want=want)]
+
+
+def _assert_every_canary_decided_before_the_next(records) -> None:
+    """Every canary CANDIDATE is decided (PROMOTED, ROLLED_BACK, or withdrawn) before another version goes out."""
+    running = None
+    for r in records:
+        if running is not None and r["version"] != running:
+            raise AssertionError(f"version {r['version']} went out while version {running}'s canary was undecided")
+        if r["status"] == "CANDIDATE" and r["metrics"].get("canary_share", 0) > 0:
+            running = r["version"]
+        elif r["version"] == running:
+            running = None
+
+
+def test_a_fast_trainer_folds_its_updates_into_the_next_version_until_the_canary_is_decided(setup):
+    """A trainer that saves (every update) far faster than its canary collects canary_min_episodes: twelve
+    updates, more than the old ten saves' worth, and no version replaces the undecided canary; once the
+    canary's episodes decide it, one version holds every update made meanwhile."""
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 4,
+                                           "trainer_max_staleness": 100})
+    store = WeightStore(settings.effective_weight_store, base)
+    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(max_versions=1)
+        produce(settings, topic, [episode(tok, 100 + i, "acme") for i in range(48)])  # the baseline's only
+        trainer.run(idle_exit_s=3)
+        assert trainer.progress.updates == 12 and store.versions() == [1], store.versions()
+        assert trainer.canaries[""].candidate == 1
+        produce(settings, topic, [episode(tok, 200 + i, "acme", policy_version=1) for i in range(4)])
+        trainer.run(max_versions=1)
+    finally:
+        trainer.close()
+    assert store.versions() == [1, 2] and store.manifest(2).episodes_trained == 52  # thirteen updates' episodes
+    records = _weight_records(settings, base, 3)
+    assert [(r["version"], r["status"]) for r in records] == [(1, "CANDIDATE"), (1, "PROMOTED"), (2, "CANDIDATE")]
+    _assert_every_canary_decided_before_the_next(records)
+
+
+def test_a_canary_without_traffic_is_withdrawn_with_its_reason_before_the_next_version(setup):
+    """Slow traffic: nobody is served the canary, so it can never be decided. After canary_max_wait_s the trainer
+    withdraws it (a WeightVersion saying so: a CANDIDATE with no canary share, canary_withdrawn and its counts),
+    and only then does the next version go out; serving drops the canary at the withdrawal."""
+    from serving.weights import next_plans
+    from trainer.online import OnlineTrainer
+
+    settings, topic, tok, base = setup
+    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 4, "canary_max_wait_s": 2.0})
+    store = WeightStore(settings.effective_weight_store, base)
+    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
+    trainer = OnlineTrainer(settings, topic=topic)
+    try:
+        trainer.run(max_versions=1)
+        produce(settings, topic, [episode(tok, 100 + i, "acme") for i in range(4)])  # the baseline's only
+        trainer.run(max_versions=1, idle_exit_s=20)
+    finally:
+        trainer.close()
+    assert store.versions() == [1, 2] and store.manifest(2).parent_version == 1
+    records = _weight_records(settings, base, 3)
+    assert [(r["version"], r["status"]) for r in records] == [(1, "CANDIDATE"), (1, "CANDIDATE"), (2, "CANDIDATE")]
+    withdrawn = records[1]["metrics"]
+    assert withdrawn["canary_share"] == 0 and withdrawn["canary_withdrawn"] == 1.0
+    assert withdrawn["canary_baseline_episodes"] == 4.0 and withdrawn["canary_candidate_episodes"] == 0.0
+    assert withdrawn["canary_waited_s"] >= 2.0
+    _assert_every_canary_decided_before_the_next(records)
+    plans = {}
+    for i, r in enumerate(records):
+        plans = next_plans(plans, r, base)
+        assert plans[""].candidate == (None if i == 1 else (r["version"], r["uri"], r["kind"]))
+    assert "canary: version 1 withdrawn" in (settings.trainer_dir / "trainer.log").read_text()

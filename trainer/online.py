@@ -11,11 +11,19 @@ The loop, in the order that makes a crash harmless:
    weight store (the manifest last, fsynced), publish the WeightVersion and wait
    for Kafka's ack, and only then commit the consumer offsets.
 
-A restart loads the newest manifest's weights and seeks every partition to its
-``source_offsets``: episodes trained after that manifest are trained again
-(their effect was lost with the process), none twice into a saved version and
-none skipped. Run one trainer per base model: a second member of the group
-would take half the partitions.
+A restart seeks every partition to the newest manifest's ``source_offsets``:
+episodes trained after that manifest are trained again (their effect was lost
+with the process), none twice into a saved version and none skipped. Its
+weights are those of the version serving (the resume rule,
+``_resume_from_serving``): the promoted version not rolled back, else the base
+model; a newer version still on canary, or rolled back, is never a starting
+point. Run one trainer per base model: a second member of the group would take
+half the partitions.
+
+The canary rule: a canary is decided (PROMOTED, ROLLED_BACK, or withdrawn after
+``canary_max_wait_s``, a WeightVersion saying so) before the next version of
+its project goes out; the updates made meanwhile are folded into that next
+version (``_waiting_for_canary``).
 
 A policy per project (``TABLOOP_PROJECT_POLICIES``): every episode trains the
 shared policy; once an opted-in project has ``project_min_episodes`` trainable
@@ -82,8 +90,9 @@ class ProjectPolicy:
     update_metrics: list[dict] = field(default_factory=list)
 
 
-CANARY_WAIT_SAVES = 10
-"""A save waits for a running canary's decision for at most this many saves' worth of updates."""
+CANARY_WITHDRAWN = "canary_withdrawn"
+"""WeightVersion metric: 1 on the CANDIDATE (canary share 0) that withdraws a canary nobody decided in time."""
+CANARY_WAITED_S = "canary_waited_s"
 PROJECT_VERSION = "project_version/"  # shared manifest metrics: the project versions saved with it
 PROJECT_EPISODES = "project_episodes/"  # ... and each opted-in project's trainable episodes so far
 
@@ -179,13 +188,41 @@ class OnlineTrainer:
         except ImportError:  # pragma: no cover - tensorboard is a dependency; the log file still gets everything
             log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
         self.metrics_file = open(self.log_dir / "metrics.jsonl", "a")
-        log.info("trainer for %s on %s: resuming at version %d, %s, offsets %s", self.base_model, self.device,
+        self._resumed = False
+        """Whether ``run`` applied the resume rule (``_resume_from_serving``), once per process."""
+        log.info("trainer for %s on %s: newest manifest version %d, %s, offsets %s", self.base_model, self.device,
                  self.version, "full fine-tuning" if self.policy.full else f"LoRA rank {settings.trainer_lora_rank}",
                  offsets or "from the committed/earliest")
 
     def _load_policy(self, manifest: Manifest | None) -> PolicyTrainer:
         """A trainer starting from ``manifest``'s weights (None: the base model with fresh adapters)."""
         return load_policy(self.settings, self.store, manifest)
+
+    def _resume_from_serving(self) -> None:
+        """The resume rule: a (re)started trainer goes on from the weights of the version serving its project
+        (the promoted one not rolled back, else the base model; a project policy: the project's own promoted
+        version, else the shared policy's serving weights), never from a newer version still on canary or rolled
+        back. The data side (offsets, step, baseline, totals) stays the newest manifest's: those episodes are
+        in a saved version, so they are not trained again.
+        """
+        self._resumed = True
+        statuses = fold_statuses(self.weight_records, self.base_model)
+        newest, target = self.version, self.serving_version
+        if target != newest:
+            manifest = self.store.manifest(target) if target in self.store.versions() else None
+            self.policy = self._load_policy(manifest)
+            self.version = manifest.version if manifest is not None else 0
+        status = statuses[newest].status if newest in statuses else "unannounced"
+        skipped = "" if self.version == newest else f"; version {newest}, the newest written, is {status}: not a starting point"
+        log.info("resuming at version %d, the version serving%s", self.version, skipped)
+        for project, own in list(self.projects.items()):
+            own_target = self.project_serving.get(project, 0)
+            if own.version == own_target and (own_target or self.version == newest):
+                continue
+            manifest = self.store.manifest(own_target or self.version) if (own_target or self.version) else None
+            log.info("project %s: resuming from version %d, the version serving it (its newest written: %d)", project,
+                     manifest.version if manifest is not None else 0, own.version)
+            self.projects[project] = ProjectPolicy(project, self._load_policy(manifest), own_target)
 
     def _follow_rollbacks(self) -> None:
         """If the version this trainer builds on was rolled back, go on from the promoted one instead.
@@ -276,6 +313,8 @@ class OnlineTrainer:
         for record in read_weight_records(self.settings):
             self._new_weight_record(record)
         self._publish_unannounced()
+        if not self._resumed:
+            self._resume_from_serving()
         self._refresh_canary()
         self._follow_rollbacks()
         episodes, weights = self._make_consumers()
@@ -313,6 +352,8 @@ class OnlineTrainer:
                 if not batch:
                     self._commit_dropped_tail(episodes)
                 self._judge_canary()
+                if self.progress.updates >= self.settings.trainer_save_every and self._canary_overdue(""):
+                    published += self._save_if_due(episodes)  # a canary nobody decided in time: withdraw, save
                 if max_versions is not None and published >= max_versions:
                     return
                 if idle_exit_s is not None and time.monotonic() - last_activity > idle_exit_s:
@@ -348,6 +389,7 @@ class OnlineTrainer:
 
     def close(self) -> None:
         self.producer.close()
+        self.codec.close()
         if self.writer is not None:
             self.writer.close()
         self.metrics_file.close()
@@ -431,29 +473,36 @@ class OnlineTrainer:
                  metrics["reward_mean"], metrics["policy_loss"], metrics["approx_kl"], metrics["tokens_per_s"],
                  metrics["update_seconds"])
         self._read_head_feed()  # an update takes seconds: a canary's episodes may have come meanwhile
-        if p.updates >= self.settings.trainer_save_every and not self._waiting_for_canary(""):
+        return self._save_if_due(consumer)
+
+    def _save_if_due(self, consumer: Consumer) -> int:
+        """Save a version if ``trainer_save_every`` updates wait and no canary holds the save back; 1 if saved."""
+        if self.progress.updates >= self.settings.trainer_save_every and not self._waiting_for_canary(""):
             self._save_version(consumer)
             return 1
         return 0
 
+    def _canary_overdue(self, project: str) -> bool:
+        tally = self.canaries.get(project)
+        return tally is not None and time.time() - tally.since_ms / 1000 >= self.settings.canary_max_wait_s
+
     def _waiting_for_canary(self, project: str) -> bool:
         """Whether a save of ``project``'s policy ("" the shared one) waits for that policy's running canary.
 
-        Announcing the next version replaces the canary, undecided. A trainer that saves faster than the
-        canary gathers its episodes (or that reads a backlog: the canary counts only episodes joined after it
-        started) would replace every canary before its decision, and nothing would ever be promoted. So the
-        updates go on and the save waits, up to ``CANARY_WAIT_SAVES`` saves' worth of updates (a canary that
-        gets no traffic must not keep the trainer's progress unsaved forever).
+        The canary rule: a canary is decided before the next version of its project goes out. A trainer that
+        saves faster than the canary gathers its episodes (or that reads a backlog: the canary counts only
+        episodes joined after it started) keeps updating, and every update made meanwhile is folded into the
+        version saved after the decision. A canary still undecided ``canary_max_wait_s`` after it went out (too
+        little traffic to decide it) is withdrawn first, with a WeightVersion that says so (``_withdraw_canary``),
+        and then the save goes ahead: slow traffic must not keep the trainer's progress unsaved forever.
         """
         tally = self.canaries.get(project)
         if tally is None:
             return False
-        updates = self.projects[project].updates if project else self.progress.updates
-        if updates >= CANARY_WAIT_SAVES * self.settings.trainer_save_every:
-            log.warning("canary%s: version %d is still undecided after %d updates (%s); saving the next version "
-                        "replaces it", f" of project {project}" if project else "", tally.candidate, updates,
-                        tally.summary())
+        if self._canary_overdue(project):
+            self._withdraw_canary(tally)
             return False
+        updates = self.projects[project].updates if project else self.progress.updates
         if updates == self.settings.trainer_save_every:
             log.info("canary%s: the next version waits for version %d's decision (%s)",
                      f" of project {project}" if project else "", tally.candidate, tally.summary())
@@ -679,27 +728,44 @@ class OnlineTrainer:
                 del self.canaries[project]
                 self._decide_canary(tally, decision)
 
+    def _withdraw_canary(self, tally: CanaryTally) -> None:
+        """Withdraw a canary nobody decided in time: it is announced again as a CANDIDATE with no canary share
+        (serving drops it; ``tabloop weights promote`` can still promote it), ``canary_withdrawn`` 1, how long it
+        waited and its counts. A withdrawal is no verdict on the weights, so the trainer goes on from them."""
+        waited_s = time.time() - tally.since_ms / 1000
+        self.canaries.pop(tally.project, None)
+        log.warning("canary%s: version %d withdrawn, undecided after %.0f s (%s); the next version goes out",
+                    f" of project {tally.project}" if tally.project else "", tally.candidate, waited_s,
+                    tally.summary())
+        self._publish_canary_event(tally, "CANDIDATE", {CANARY_SHARE: 0.0, CANARY_WITHDRAWN: 1.0,
+                                                        CANARY_WAITED_S: waited_s,
+                                                        BASELINE_VERSION: float(tally.baseline)})
+
     def _decide_canary(self, tally: CanaryTally, decision: str) -> None:
-        summary = tally.summary()
-        log.info("canary: version %d %s (%s)", tally.candidate, decision, summary)
-        # The gate's estimate stays beside the canary's measurement (the history's version_estimates view).
+        log.info("canary: version %d %s (%s)", tally.candidate, decision, tally.summary())
+        self._publish_canary_event(tally, decision)
+        self._follow_rollbacks()
+        if self.writer is not None:
+            self.writer.add_scalar("canary/promoted", 1.0 if decision == "PROMOTED" else 0.0, tally.candidate)
+
+    def _publish_canary_event(self, tally: CanaryTally, status: str, extra: dict[str, float] | None = None) -> None:
+        """The WeightVersion that ends a canary: its counts (and ``extra``) in the metrics, with the gate's
+        estimate kept beside them (the history's version_estimates view)."""
+        summary = {**tally.summary(), **(extra or {})}
         estimate = {k: v for r in self.weight_records if r["version"] == tally.candidate
                     and r["base_model"] == self.base_model for k, v in r["metrics"].items() if k.startswith(OPE_PREFIX)}
         if tally.candidate in self.store.versions():
-            event = version_event(self.store.manifest(tally.candidate), decision, {**estimate, **summary})
+            event = version_event(self.store.manifest(tally.candidate), status, {**estimate, **summary})
         else:  # published by someone else's store: restate what the topic said
             record = next(r for r in reversed(self.weight_records)
                           if r["version"] == tally.candidate and r["base_model"] == self.base_model)
             from schemas.events import new_event
 
             fields = {k: v for k, v in record.items() if k not in ("event_id", "created_at", "status", "metrics")}
-            event = new_event("WeightVersion", **fields, metrics={**record["metrics"], **summary}, status=decision)
+            event = new_event("WeightVersion", **fields, metrics={**record["metrics"], **summary}, status=status)
         self.producer.publish(event)
         self.producer.flush()
         self._new_weight_record(event.record)
-        self._follow_rollbacks()
-        if self.writer is not None:
-            self.writer.add_scalar("canary/promoted", 1.0 if decision == "PROMOTED" else 0.0, tally.candidate)
 
 
 def load_policy(settings: Settings, store: WeightStore, manifest: Manifest | None, *,
