@@ -15,23 +15,40 @@ What runs (nothing is a stand-in):
    *train* split for ``--minutes``: real streamed completions, real accept /
    reject decisions, feedback through all three routes;
 4. once the users stop and the components are stopped (Kafka still up),
-   every published policy version, 0 (the base model) included, is loaded the
-   way `tabloop eval --policy V` loads it (``trainer.proof.evaluate.load_policy``:
-   the version's WeightVersion event on ``tabloop.weights``) and completes the
-   *held-out* tasks greedily; the simulated user's rule decides each shown
-   suggestion, as it would have online.
+   each served (weight version, show-gate version) pair is evaluated on the
+   *held-out* tasks (all of ``stdlib:heldout`` unless ``--heldout`` says fewer)
+   with the policy users were served: per weight version (0, the base model,
+   included; loaded the way `tabloop eval --policy V` loads it,
+   ``trainer.proof.evaluate.load_policy``) ``--draws`` completions per task are
+   sampled once at the door's temperature with their behaviour log-probabilities
+   (``sample_draws``), then every gate version the door served with that weight
+   version (from the simulator's ``X-Tabloop-Gate-Version``; its GateVersion on
+   ``tabloop.gates``) decides on those same draws (``trainer.proof.served``):
+   with exploration (the served policy, ε from the gate, a seeded coin) and
+   without (the gate's own decision). "No gate" is evaluated for every weight
+   version. The simulated user's rule decides each shown suggestion. A fixed
+   reference comes beside it: version 0 greedy, always shown (``reference``).
 
-Per version (held-out): ``accept_rate_shown`` (accepted / shown),
-``shown_share`` (shown / requests; an empty suggestion is not shown),
-``accepted_chars_per_request`` and ``reward_mean`` (the reward spec's reward of
-each request's outcome: accepted, rejected, or ignored when nothing was shown),
-``n`` requests. The same figures of the train-split traffic each version served
-online come along as ``online``.
+Per evaluated pair (``versions``, ordered by version then gate, no gate first):
+``accept_rate_shown`` (accepted / shown), ``shown_share`` (shown / requests; an
+empty or hidden suggestion is not shown), ``accepted_chars_per_request`` and
+``reward_mean`` (the reward spec's reward of each request's outcome), ``n``
+requests (tasks × draws), each with its 90 % interval in ``intervals`` (Wilson
+for the rates; over tasks for the means), and the same for the gate without
+exploration in ``deterministic``. The figures of the train-split traffic each
+version served online come along as ``online``. Nothing is chosen on held-out
+tasks: they are only measured.
 
 ``feedback_to_policy_s``: from the first feedback the users sent to the end of
-the first completion served by a trained version (the front door's
-``X-Tabloop-Policy-Version`` ≥ 1, as the simulator recorded it). Version 1 is
-trained on the first batch of episodes, which holds the first feedback.
+the first completion served by a trained policy or gate (the front door's
+``X-Tabloop-Policy-Version`` ≥ 1 or ``X-Tabloop-Gate-Version`` ≥ 1, as the
+simulator recorded them). Version 1 of either is trained on the first decided
+episodes, which hold the first feedback.
+
+``--team NAME`` (issue 28, item 5) runs the same loop with one team's users (``trainer.proof.teams``: the
+tasks whose cursor is before a string literal, the rest of the line in the team's quotes, a user who wants
+the team's quotes): LoRA updates, the show-gate off; its goal is the team's held-out accept rate among
+shown up 50 % relative to version 0.
 
 Also in the result: ``episodes`` (the join's episodes of the users' project by outcome, and how many
 IGNORED ones were empty suggestions) and ``updates`` (per promoted version: the batch's mean reward,
@@ -56,7 +73,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from infra.errors import TabloopError
-from trainer.metrics import user_figures
+from trainer.proof.served import LEVEL
 
 FIGURES = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "reward_mean")
 
@@ -66,6 +83,8 @@ FIGURES = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "re
 GOAL_ACCEPT_RATE_GAIN = 0.28
 GOAL_SHOWN_DROP = 0.20
 GOAL_FEEDBACK_TO_POLICY_S = 60.0
+GOAL_TEAM_ACCEPT_RATE_GAIN = 0.50
+"""Issue 28, item 5: a team's held-out accept rate among shown, relative to version 0."""
 SIM_PROJECT = "bench-loop"
 
 
@@ -74,8 +93,12 @@ class LoopBenchConfig:
     minutes: float = 15.0
     users: int = 4
     model: str = "demo"
-    heldout: int = 64
-    """Held-out tasks evaluated at every version."""
+    heldout: int | None = None
+    """Held-out tasks evaluated at every version (None: all of the split)."""
+    draws: int = 2
+    """Completions sampled per held-out task and weight version."""
+    team: str | None = None
+    """One team's users (``trainer.proof.teams.TEAMS``) on that team's tasks, the show-gate off."""
     train_limit: int | None = None
     """Use at most this many train-split tasks (None: all)."""
     rule: str = "exact"
@@ -91,8 +114,8 @@ class LoopBenchConfig:
     eval_batch_size: int = 16
     max_evals: int | None = None
     """Evaluate at most this many versions (0 and the last always, the rest evenly spaced); None: every one."""
-    eval_temperature: float = 0.0
-    """0: greedy, as Continue's 0.01 nearly is."""
+    eval_temperature: float | None = None
+    """None: the temperature the door serves the users at (``serving.completions.sampling_temperature``)."""
     healthy_timeout_s: float = 600.0
     keep_state: bool = False
     abandon_share: float = 0.15
@@ -121,8 +144,12 @@ class LoopBenchConfig:
     def __post_init__(self) -> None:
         if self.minutes <= 0:
             raise ValueError(f"minutes must be positive, got {self.minutes}")
-        if self.users < 1 or self.heldout < 1:
-            raise ValueError("users and heldout must be at least 1")
+        if self.users < 1 or (self.heldout is not None and self.heldout < 1) or self.draws < 1:
+            raise ValueError("users, heldout and draws must be at least 1")
+        from trainer.proof.teams import TEAMS
+
+        if self.team is not None and self.team not in TEAMS:
+            raise ValueError(f"team must be one of {', '.join(TEAMS)}, got {self.team!r}")
         if not 0 <= self.abandon_share < 1:
             raise ValueError(f"abandon_share must be in [0, 1), got {self.abandon_share}")
         if self.ignored_ttl_s is not None and self.ignored_ttl_s <= 0:
@@ -160,12 +187,14 @@ def versions_to_evaluate(published: Sequence[int], max_evals: int | None) -> lis
 
 
 def feedback_to_policy_s(records: Iterable[dict]) -> float | None:
-    """Seconds from the first feedback sent to the end of the first completion served by a version ≥ 1
-    (records as ``trainer.proof.simulate.RequestRecord`` dicts); None when either never happened."""
+    """Seconds from the first feedback sent to the end of the first completion served by a policy version ≥ 1
+    or a gate version ≥ 1, both trained on feedback (records as ``trainer.proof.simulate.RequestRecord``
+    dicts); None when either never happened."""
     records = list(records)
     sent = [r["feedback_sent_at"] for r in records if r.get("feedback_sent_at") is not None]
     trained = [r["sent_at"] + r["latency_ms"] / 1000 for r in records
-               if r.get("error") is None and (r.get("policy_version") or 0) >= 1 and r.get("sent_at") is not None]
+               if r.get("error") is None and r.get("sent_at") is not None
+               and ((r.get("policy_version") or 0) >= 1 or (r.get("gate_version") or 0) >= 1)]
     if not sent or not trained:
         return None
     return round(min(trained) - min(sent), 2)
@@ -230,51 +259,115 @@ def _first_promotions(weight_records: Iterable[dict], base_model: str) -> dict[i
     return out
 
 
-def goal(first: dict, last: dict, to_policy_s: float | None) -> dict:
-    """Issue 7's goal, comparing the last version's held-out figures with the base model's."""
-    def rel(a, b):
-        return None if a is None or b is None or b == 0 else round(a / b - 1, 4)
+def served_pairs(records: Iterable[dict]) -> dict[int, list[int]]:
+    """Weight version → the gate versions the door served with it (sorted; completions with no gate add
+    none), from the simulator's records of answered requests."""
+    pairs: dict[int, set[int]] = {}
+    for r in records:
+        if r.get("error") is None and r.get("policy_version") is not None:
+            gates = pairs.setdefault(r["policy_version"], set())
+            if r.get("gate_version") is not None:
+                gates.add(r["gate_version"])
+    return {v: sorted(g) for v, g in sorted(pairs.items())}
+
+
+def gates_by_version(gate_records: Iterable[dict], project: str) -> dict[int, dict]:
+    """Gate version → its promoted GateVersion record, as the door would have served it to ``project``:
+    the project's own gate where it has one of that version, else the shared one (project "")."""
+    own, shared = {}, {}
+    for r in gate_records:
+        if r["status"] != "PROMOTED":
+            continue
+        if r.get("project_id") == project:
+            own.setdefault(r["version"], r)
+        elif not r.get("project_id"):
+            shared.setdefault(r["version"], r)
+    return {**shared, **own}
+
+
+def goal(first: dict, last: dict, to_policy_s: float | None, chars_difference: dict | None = None) -> dict:
+    """Issue 28's goal for the show-gate loop, comparing the last served pair's held-out figures with version
+    0's served policy. Accepted characters per request are "not lower" when the paired difference's interval
+    (``chars_difference``, last − first over the same tasks) reaches 0; without it, when the last's is at
+    least the first's."""
+    from trainer.proof.served import relative_change as rel
 
     accept_gain = rel(last["accept_rate_shown"], first["accept_rate_shown"])
     shown_change = rel(last["shown_share"], first["shown_share"])
     chars_first, chars_last = first["accepted_chars_per_request"], last["accepted_chars_per_request"]
+    if chars_difference is not None and chars_difference.get("high") is not None:
+        chars_ok = chars_difference["high"] >= 0
+    else:
+        chars_ok = chars_last is not None and chars_first is not None and chars_last >= chars_first
     checks = {
         "accept_rate_up_28pct": accept_gain is not None and accept_gain >= GOAL_ACCEPT_RATE_GAIN,
         "shown_down_20pct": shown_change is not None and shown_change <= -GOAL_SHOWN_DROP,
-        "accepted_chars_not_lower": chars_last is not None and chars_first is not None and chars_last >= chars_first,
+        "accepted_chars_not_lower": chars_ok,
         "feedback_to_policy_under_60s": to_policy_s is not None and to_policy_s < GOAL_FEEDBACK_TO_POLICY_S,
     }
     return {"accept_rate_rel_change": accept_gain, "shown_share_rel_change": shown_change,
             "accepted_chars_change": None if chars_last is None or chars_first is None
-            else round(chars_last - chars_first, 4), **checks, "met": all(checks.values())}
+            else round(chars_last - chars_first, 4), "accepted_chars_difference": chars_difference,
+            **checks, "met": all(checks.values())}
+
+
+def team_goal(first: dict, last: dict) -> dict:
+    """Issue 28's goal for the team loop: the team's held-out accept rate among shown up 50 % relative to
+    version 0, the last version's Wilson interval beside version 0's."""
+    from trainer.proof.served import relative_change
+
+    gain = relative_change(last["accept_rate_shown"], first["accept_rate_shown"])
+    intervals = {label: e.get("intervals", {}).get("accept_rate_shown") for label, e in (("first", first), ("last", last))}
+    return {"accept_rate_rel_change": gain, "accept_rate_shown_intervals": intervals,
+            "interval_above_first": (intervals["last"] is not None and intervals["last"][0] is not None
+                                     and first["accept_rate_shown"] is not None
+                                     and intervals["last"][0] > first["accept_rate_shown"]),
+            "accept_rate_up_50pct": gain is not None and gain >= GOAL_TEAM_ACCEPT_RATE_GAIN,
+            "met": gain is not None and gain >= GOAL_TEAM_ACCEPT_RATE_GAIN}
 
 
 # -- the plot ----------------------------------------------------------------------------------
 
 def plot(result: dict, path: Path) -> Path:
-    """Each figure per version: held-out (solid), and the train-split traffic served online (dashed)."""
+    """Each figure per weight version: the served policy on held-out tasks with its interval (no gate, and the
+    last gate served with each version), the greedy always-show reference of version 0 (dotted), and the
+    train-split traffic served online (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    versions = [v["version"] for v in result["versions"]]
     online = {o["version"]: o for o in result.get("online", [])}
+    reference = result.get("reference") or {}
     titles = {"accept_rate_shown": "accept rate among shown", "shown_share": "share of requests shown",
               "accepted_chars_per_request": "accepted chars per request", "reward_mean": "mean reward"}
+    no_gate = [v for v in result["versions"] if v.get("gate_version") is None]
+    gated: dict[int, dict] = {}
+    for v in result["versions"]:
+        if v.get("gate_version") is not None:
+            gated[v["version"]] = v  # the last gate served with each version
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     for ax, key in zip(axes.flat, FIGURES):
-        ax.plot(versions, [v[key] if v[key] is not None else float("nan") for v in result["versions"]],
-                marker="o", label="held-out (eval)")
+        for label, series, marker in (("held-out, served (no gate)", no_gate, "o"),
+                                      ("held-out, served (with its gate)", [gated[k] for k in sorted(gated)], "s")):
+            if not series:
+                continue
+            xs = [v["version"] for v in series]
+            ys = [v[key] if v[key] is not None else float("nan") for v in series]
+            bars = [_error_bar(v, key) for v in series]
+            ax.errorbar(xs, ys, yerr=[[lo for lo, _ in bars], [hi for _, hi in bars]], marker=marker, capsize=3,
+                        label=label)
+        if reference.get(key) is not None:
+            ax.axhline(reference[key], linestyle=":", color="grey", label="v0 greedy, always shown")
         ov = sorted(online)
         if ov:
             ax.plot(ov, [online[v][key] if online[v].get(key) is not None else float("nan") for v in ov],
-                     linestyle="--", marker=".", alpha=0.7, label="train split (served online)")
+                    linestyle="--", marker=".", alpha=0.6, label="train split (served online)")
         ax.set_title(titles[key])
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("policy version")
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=7)
     f2p = result.get("feedback_to_policy_s")
     fig.suptitle(f"tabloop bench loop: {result['model_label']}, {result['minutes']} min, {result['users']} users, "
                  f"{result['heldout_tasks']} held-out tasks; feedback→policy "
@@ -283,6 +376,14 @@ def plot(result: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _error_bar(entry: dict, key: str) -> tuple[float, float]:
+    """(below, above) the figure to its interval's ends; (0, 0) without one."""
+    value, interval = entry.get(key), (entry.get("intervals") or {}).get(key)
+    if value is None or interval is None or None in interval:
+        return 0.0, 0.0
+    return max(0.0, value - interval[0]), max(0.0, interval[1] - value)
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -308,6 +409,8 @@ def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: s
         # into an IGNORED episode, so the limiter (not what this bench measures) stays out of the way.
         "rate_limit_per_minute": max(base.rate_limit_per_minute, 100_000),
         "trainer_max_staleness": config.max_staleness,
+        # The team loop measures what LoRA updates alone teach (issue 28, item 5): no show-gate.
+        "show_gate": base.show_gate if config.team is None else False,
     }
     if config.ignored_ttl_s is not None:
         # The join closes a completion as IGNORED once its partition's event time passes served_at + TTL;
@@ -336,9 +439,8 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     from infra.kafka_broker import LocalKafka
     from schemas.topics import EPISODES
     from streams.rewards import RewardSpecs
-    from trainer.proof.evaluate import evaluate, load_policy
-    from trainer.proof.simulate import SimConfig, Simulation, UserModel, records_jsonl
-    from trainer.proof.tasks import resolve_dataset
+    from schemas.topics import GATES
+    from trainer.proof.simulate import SimConfig, Simulation, records_jsonl
     from trainer.weight_store import read_weight_records
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -350,10 +452,9 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     # The spec the bench's streams worker rewards the users' episodes with, so that the figures' rewards are
     # the ones the trainer learned from.
     spec = RewardSpecs.from_settings(settings).for_project(SIM_PROJECT)
-    train = resolve_dataset("stdlib:train", seed=config.seed, limit=config.train_limit)
-    heldout = resolve_dataset("stdlib:heldout", seed=config.seed, limit=config.heldout)
-    say(f"bench loop: {len(train)} train tasks, {len(heldout)} held-out tasks, model {model_spec}, "
-        f"state {state_dir}")
+    train, heldout, user_model = tasks_and_user(config)
+    say(f"bench loop: {len(train)} train tasks, {len(heldout)} held-out tasks"
+        f"{f' of team {config.team}' if config.team else ''}, model {model_spec}, state {state_dir}")
 
     broker = LocalKafka(settings)
     supervisor = thread = None
@@ -378,7 +479,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
             abandon_share=config.abandon_share)
         import asyncio
 
-        report = asyncio.run(Simulation(train, sim_config, log=say).run())
+        report = asyncio.run(Simulation(train, sim_config, log=say, user_model=user_model).run())
         records = [asdict(r) for r in report.records]
         (out_dir / "requests.jsonl").write_text(records_jsonl(report))
         sim_summary = report.summary()
@@ -397,24 +498,15 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
                 f"{estimates['compared']} measured accept rates inside the estimate's interval")
         say(f"bench loop: episodes {outcomes}; updates with a non-zero loss: "
             f"{sum(1 for t in trained if t['policy_loss'])} of {len(trained)}")
-        say(f"bench loop: versions published: {sorted(published) or 'none'}; evaluating each on held-out tasks")
-        user_model = UserModel(config.rule, config.threshold)
-        versions, rows_all = [], []
-        for version in versions_to_evaluate(sorted(published), config.max_evals):
-            t0 = time.monotonic()
-            model, tokenizer, label = load_policy(settings, str(version), model_spec=model_spec)
-            summary, scored = evaluate(model, tokenizer, heldout, scorer="exact",
-                                       temperature=config.eval_temperature, max_new_tokens=config.max_tokens,
-                                       batch_size=config.eval_batch_size,
-                                       max_prompt_tokens=settings.max_prompt_tokens, seed=config.seed,
-                                       log=lambda _: None)
-            rows = heldout_rows(version, heldout, [s.completion for s in scored], user_model, spec)
-            rows_all.extend(rows)
-            figures = {"version": version, **user_figures(rows),
-                       "exact_match": summary["exact_match"], "edit_similarity": summary["edit_similarity"],
-                       "published_s": published.get(version), "eval_s": round(time.monotonic() - t0, 1)}
-            versions.append(figures)
-            say(f"bench loop: v{version}: " + ", ".join(f"{k} {figures[k]}" for k in ("n", *FIGURES)))
+        gate_records = [r.event.record for r in read_topic(settings, GATES.name) if r.event is not None]
+        pairs = served_pairs(records)
+        temperature = served_temperature(settings, sim_config, config)
+        say(f"bench loop: versions published: {sorted(published) or 'none'}; gate versions served: "
+            f"{sorted({g for gs in pairs.values() for g in gs}) or 'none'}; evaluating the served policy on "
+            f"held-out tasks at temperature {temperature}, {config.draws} draws")
+        evaluated = evaluate_served(settings, model_spec, config, heldout, user_model, spec, published, pairs,
+                                    gates_by_version(gate_records, SIM_PROJECT), temperature, say)
+        versions, reference, rows_all, chars_difference = evaluated
         (out_dir / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_all))
     finally:
         if supervisor is not None and thread is not None and thread.is_alive():
@@ -441,21 +533,25 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     result = {
         "bench": "loop", "model": model_spec, "model_label": Path(model_spec).name or model_spec,
         "minutes": config.minutes, "users": config.users, "rule": config.rule, "train_tasks": len(train),
-        "heldout_tasks": len(heldout), "versions": versions, "feedback_to_policy_s": to_policy,
-        "goal": goal(versions[0], versions[-1], to_policy) if versions else None,
+        "team": config.team, "heldout_tasks": len(heldout), "draws": config.draws,
+        "eval_temperature": temperature, "interval_level": LEVEL, "versions": versions, "reference": reference,
+        "served_pairs": {str(v): g for v, g in pairs.items()}, "feedback_to_policy_s": to_policy,
+        "goal": (None if not versions else team_goal(versions[0], versions[-1]) if config.team
+                 else goal(versions[0], versions[-1], to_policy, chars_difference)),
         "online": online, "simulation": {k: sim_summary[k] for k in (
             "requests", "completed", "abandoned", "errors", "shown", "accepted", "feedback_sent", "feedback_errors",
             "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms")},
         "trainer": {"batch_size": config.batch_size, "lr": config.lr, "lora_rank": config.lora_rank,
                     "exploration_temperature": config.exploration_temperature,
-                    "max_staleness": config.max_staleness},
+                    "max_staleness": config.max_staleness, "show_gate": settings.show_gate},
         "abandon_share": config.abandon_share,
         "episodes": outcomes, "updates": trained, "ignored_ttl_s": config.ignored_ttl_s,
         "ope_vs_canary": estimates,
         "release": {"save_every": config.save_every, "canary_share": config.canary_share,
                     "canary_min_episodes": config.canary_min_episodes, "promote_gate": config.promote_gate,
                     "gate_share": config.gate_share, "gate_min_episodes": config.gate_min_episodes},
-        "eval_temperature": config.eval_temperature, "versions_published": len(published),
+        "versions_published": len(published), "gate_versions_promoted": len(gates_by_version(gate_records,
+                                                                                              SIM_PROJECT)),
         "wall_s": round(time.monotonic() - started, 1),
         "files": {name: str(out_dir / name) for name in
                   ("loop.json", "loop.png", "requests.jsonl", "heldout.jsonl", "system.log")},
@@ -465,8 +561,87 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     return result
 
 
+def tasks_and_user(config: LoopBenchConfig):
+    """(train tasks, held-out tasks, the users' decision rule): the standard library's splits and
+    ``UserModel(rule, threshold)``; for a team, its string-literal tasks in its quotes and its user."""
+    from trainer.proof.simulate import UserModel
+    from trainer.proof.tasks import resolve_dataset
+    from trainer.proof.teams import TeamUsers, quote_tasks, team_task
+
+    if config.team is None:
+        return (resolve_dataset("stdlib:train", seed=config.seed, limit=config.train_limit),
+                resolve_dataset("stdlib:heldout", seed=config.seed, limit=config.heldout),
+                UserModel(config.rule, config.threshold))
+    return ([team_task(t, config.team) for t in quote_tasks("train", seed=config.seed, limit=config.train_limit)],
+            [team_task(t, config.team) for t in quote_tasks("heldout", seed=config.seed, limit=config.heldout)],
+            TeamUsers(config.threshold))
+
+
+def served_temperature(settings, sim_config, config: LoopBenchConfig) -> float:
+    """The temperature held-out draws are sampled at: ``eval_temperature`` if given, else what the door
+    serves the simulated users' requests at (``serving.completions.sampling_temperature``)."""
+    from serving.completions import sampling_temperature
+
+    if config.eval_temperature is not None:
+        return config.eval_temperature
+    return sampling_temperature(sim_config.temperature, settings)
+
+
+def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout, user_model, spec,
+                    published: dict, pairs: dict[int, list[int]], gate_records: dict[int, dict],
+                    temperature: float, say) -> tuple[list[dict], dict, list[dict], dict | None]:
+    """(entries per served pair, the greedy always-show reference of version 0, every held-out row, the
+    paired difference of accepted characters per request, last − first). Per weight version the draws are
+    sampled once; no gate, then each gate version served with it, decide on them."""
+    from policy.show_gate import Gate
+    from trainer.proof.evaluate import load_policy, sample_draws
+    from trainer.proof.served import figures, paired_difference, served_rows
+
+    def sample(model, tokenizer, draws: int, temp: float):
+        return sample_draws(model, tokenizer, heldout, draws=draws, temperature=temp, top_p=1.0,
+                            max_new_tokens=config.max_tokens, batch_size=config.eval_batch_size,
+                            max_prompt_tokens=settings.max_prompt_tokens, seed=config.seed)
+
+    entries, rows_all, reference, served_by_entry = [], [], {}, []
+    for version in versions_to_evaluate(sorted(published), config.max_evals):
+        t0 = time.monotonic()
+        model, tokenizer, _ = load_policy(settings, str(version), model_spec=model_spec)
+        if version == 0:
+            greedy = served_rows(heldout, sample(model, tokenizer, 1, 0.0), None, user_model, spec, explore=False)
+            rows_all += [{"version": 0, "gate_version": None, "policy": "reference", **r} for r in greedy]
+            reference = {"version": 0, "decoding": "greedy", "gate_version": None, **figures(greedy)}
+            say(f"bench loop: reference (v0 greedy, always shown): " + ", ".join(
+                f"{k} {reference[k]}" for k in ("n", *FIGURES)))
+        draws = sample(model, tokenizer, config.draws, temperature)
+        sampled_s = round(time.monotonic() - t0, 1)
+        for gate_version in [None, *pairs.get(version, [])]:
+            gate = None
+            if gate_version is not None:
+                if gate_version not in gate_records:
+                    say(f"bench loop: gate v{gate_version} served with v{version} is not on the gates topic; skipped")
+                    continue
+                gate = Gate.from_record(gate_records[gate_version])
+            served = served_rows(heldout, draws, gate, user_model, spec, explore=True, seed=config.seed)
+            decided = served_rows(heldout, draws, gate, user_model, spec, explore=False, seed=config.seed)
+            rows_all += [{"version": version, "gate_version": gate_version, "policy": "served", **r} for r in served]
+            if gate is not None:
+                rows_all += [{"version": version, "gate_version": gate_version, "policy": "gate", **r}
+                             for r in decided]
+            entry = {"version": version, "gate_version": gate_version, **figures(served),
+                     "deterministic": figures(decided),
+                     "gate_threshold": None if gate is None else gate.threshold,
+                     "published_s": published.get(version), "sampled_s": sampled_s}
+            entries.append(entry)
+            served_by_entry.append(served)
+            say(f"bench loop: v{version} gate {gate_version}: " + ", ".join(
+                f"{k} {entry[k]}" for k in ("n", *FIGURES)))
+        del model
+    chars = paired_difference(served_by_entry[-1], served_by_entry[0], "accepted_chars") if entries else None
+    return entries, reference, rows_all, chars
+
+
 def _wait_healthy(supervisor, timeout_s: float, log_path: Path) -> None:
-    from tabloop.supervisor import tail
+    from infra.files import log_tail
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -475,7 +650,7 @@ def _wait_healthy(supervisor, timeout_s: float, log_path: Path) -> None:
         crashing = [c for c in supervisor.children if c.restarts >= 3 and not c.healthy]
         if crashing:
             raise RuntimeError(f"{crashing[0].component.name} crashed {crashing[0].restarts} times before becoming "
-                               f"healthy; the end of {log_path}:\n{tail(log_path)}")
+                               f"healthy; the end of {log_path}:\n{log_tail(log_path)}")
         time.sleep(1)
     waiting = [c.component.name for c in supervisor.children if not c.healthy and c.state != "not installed"]
     raise RuntimeError(f"not healthy within {timeout_s:.0f}s: {', '.join(waiting)}; see {log_path}")
@@ -512,6 +687,8 @@ QUICK = {"minutes": 2.0, "users": 2, "heldout": 16, "batch_size": 8, "batch_wait
 def _click():
     import click
 
+    from trainer.proof.teams import TEAMS as TEAM_NAMES
+
     @click.command("loop")
     @click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
                   help="How long the simulated users work (default 15; --quick: 2).")
@@ -519,20 +696,27 @@ def _click():
     @click.option("--model", default="demo", show_default=True,
                   help="demo or smollm2 (built once in the configured state dir), or a model directory.")
     @click.option("--heldout", type=click.IntRange(min=1), default=None,
-                  help="Held-out tasks evaluated at every version (default 64).")
+                  help="Held-out tasks evaluated at every version (default: all of the split; --quick: 16).")
+    @click.option("--draws", type=click.IntRange(min=1), default=2, show_default=True,
+                  help="Completions sampled per held-out task and weight version (the served policy samples).")
+    @click.option("--team", type=click.Choice(sorted(TEAM_NAMES)), default=None,
+                  help="The team loop: that team's users and tasks (trainer.proof.teams), LoRA updates, the "
+                       "show-gate off; --threshold defaults to 0.3 there.")
     @click.option("--train-limit", type=click.IntRange(min=1), default=None,
                   help="Use at most this many train-split tasks (default: all).")
     @click.option("--rule", type=click.Choice(["exact", "similarity"]), default="exact", show_default=True,
                   help="When a simulated user accepts (online and on held-out tasks).")
-    @click.option("--threshold", type=click.FloatRange(0, 1), default=0.8, show_default=True)
+    @click.option("--threshold", type=click.FloatRange(0, 1), default=None,
+                  help="The users' similarity threshold (default 0.8; with --team 0.3, the teams bench's).")
     @click.option("--batch-size", type=click.IntRange(min=1), default=None,
                   help="Episodes per policy update; each update is a version (default 16).")
     @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-4, show_default=True)
     @click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
     @click.option("--exploration-temperature", type=click.FloatRange(0, 2), default=None,
                   help="Serve at this temperature instead of the users' 0.01.")
-    @click.option("--eval-temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True,
-                  help="Held-out completions at this temperature (0: greedy).")
+    @click.option("--eval-temperature", type=click.FloatRange(0, 2), default=None,
+                  help="Held-out draws at this temperature (default: the one the door serves the users at; "
+                       "0: greedy).")
     @click.option("--max-evals", type=click.IntRange(min=2), default=None,
                   help="Evaluate at most this many versions: 0, the last, and evenly spaced ones (default: all).")
     @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
@@ -561,7 +745,7 @@ def _click():
     @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-loop", show_default=True,
                   help="Where loop.json, loop.png and the recorded requests go.")
     @click.pass_context
-    def bench_loop(ctx, minutes, users, model, heldout, train_limit, rule, threshold, batch_size, lr, lora_rank,
+    def bench_loop(ctx, minutes, users, model, heldout, draws, team, train_limit, rule, threshold, batch_size, lr, lora_rank,
                    exploration_temperature, eval_temperature, max_evals, max_tokens, abandon_share, max_staleness,
                    ignored_ttl, save_every, canary_share, canary_min_episodes, promote_gate, gate_share,
                    gate_min_episodes, seed, quick, keep_state, out_dir) -> None:
@@ -570,13 +754,16 @@ def _click():
         from infra.kafka_broker import KafkaLaunchError
         from policy.models import ModelLoadError
 
-        defaults = {"minutes": 15.0, "users": 4, "heldout": 64, "batch_size": 16, "batch_wait_s": 20.0}
+        defaults = {"minutes": 15.0, "users": 4, "heldout": None, "batch_size": 16, "batch_wait_s": 20.0}
         if quick:
             defaults.update(QUICK)
         given = {"minutes": minutes, "users": users, "heldout": heldout, "batch_size": batch_size}
         chosen = {k: (given.get(k) if given.get(k) is not None else v) for k, v in defaults.items()}
         try:
+            if threshold is None:
+                threshold = 0.3 if team else 0.8
             config = LoopBenchConfig(**chosen, model=model, train_limit=train_limit, rule=rule, threshold=threshold,
+                                     draws=draws, team=team,
                                      lr=lr, lora_rank=lora_rank, exploration_temperature=exploration_temperature,
                                      eval_temperature=eval_temperature, max_evals=max_evals,
                                      max_tokens=max_tokens, seed=seed, keep_state=keep_state,

@@ -73,12 +73,19 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
 
-    assert set(result) >= {"versions", "feedback_to_policy_s", "online", "goal"}
+    assert set(result) >= {"versions", "feedback_to_policy_s", "online", "goal", "reference", "served_pairs"}
     versions = result["versions"]
-    assert versions[0]["version"] == 0 and len(versions) >= 2, result  # trained versions appeared
-    assert [v["version"] for v in versions] == sorted(v["version"] for v in versions)
-    for v in versions:
-        assert set(v) >= {"version", *FIGURES, "n"} and v["n"] == 8
+    assert versions[0]["version"] == 0 and versions[0]["gate_version"] is None and len(versions) >= 2, result
+    assert [v["version"] for v in versions] == sorted(v["version"] for v in versions)  # trained versions appeared
+    assert result["draws"] == 2 and result["eval_temperature"] == 1.0
+    for v in versions:  # the served policy: 8 tasks, 2 draws each, every figure with its interval
+        assert set(v) >= {"version", "gate_version", *FIGURES, "n", "intervals", "deterministic"} and v["n"] == 16
+        for key in FIGURES:
+            low, high = v["intervals"][key]
+            assert v[key] is None or low <= v[key] <= high
+    reference = result["reference"]  # version 0 greedy, always shown: one completion per task
+    assert (reference["version"], reference["decoding"], reference["n"]) == (0, "greedy", 8)
+    assert set(reference["intervals"]) == set(FIGURES)
     assert result["feedback_to_policy_s"] is not None and result["feedback_to_policy_s"] > 0
     assert (out / "loop.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "loop.json").read_text())["versions"] == versions
@@ -86,7 +93,8 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
     # Every held-out figure is recomputed from the bench's own recorded completions.
     rows = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
     for v in versions:
-        mine = [r for r in rows if r["version"] == v["version"]]
+        mine = [r for r in rows if (r["version"], r["gate_version"], r["policy"]) == (
+            v["version"], v["gate_version"], "served")]
         shown = [r for r in mine if r["shown"] is not None]
         assert len(mine) == v["n"]
         assert v["shown_share"] == round(len(shown) / len(mine), 4)
@@ -98,6 +106,31 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
     assert feedback_to_policy_s(requests) == result["feedback_to_policy_s"]
     assert {o["version"] for o in result["online"]} == {r["policy_version"] for r in requests
                                                          if r["error"] is None and r["policy_version"] is not None}
+
+
+@pytest.mark.drill
+def test_bench_loop_team_runs_one_teams_users_with_lora_updates_and_no_gate(tiny_model, tmp_path):
+    """Issue 28, item 5: the team loop through the real front door, streams worker and trainer."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TABLOOP_STATE_DIR": str(tmp_path / "base")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tabloop.cli", "bench", "loop", "--quick", "--team", "single", "--model", tiny_model,
+         "--minutes", "1.0", "--train-limit", "40", "--heldout", "6", "--exploration-temperature", "1.0",
+         "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["team"] == "single" and result["trainer"]["show_gate"] is False
+    assert result["trainer"]["lora_rank"] >= 1 and result["heldout_tasks"] == 6
+    versions = result["versions"]
+    assert len(versions) >= 2 and all(v["gate_version"] is None and v["n"] == 12 for v in versions), versions
+    assert set(result["goal"]) >= {"accept_rate_rel_change", "accept_rate_up_50pct", "met"}
+    rows = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert {r["policy"] for r in rows} == {"served", "reference"}
+    # The team's tasks: the cursor before a string literal, the team's quotes in the rest of the line.
+    assert all(not r["reference"].startswith('"') for r in rows)
+    requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert requests and all(r["gate_version"] is None for r in requests)
 
 
 def _start_time(pid: int) -> str | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -131,40 +131,107 @@ def cut_completion(text: str, prefix: str, stops: Sequence[str] = CONTINUE_STOPS
     return text.rstrip()
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One sampled completion of one task, with what the front door's show-gate scores it on."""
+
+    task_index: int
+    draw: int
+    completion: str
+    """As Continue shows it (``cut_completion``)."""
+    line: str
+    """The first line of the generated text (cut at the first stop string): the line the door holds and scores."""
+    line_logprobs: tuple[float, ...]
+    """Behaviour log-probabilities (``policy.sampling.sampling_log_probs`` at the sampling temperature and
+    top-p, as the door logs them) of the tokens whose text ends within ``line``, plus the one that ended it."""
+
+
+def line_token_count(piece_ends: Sequence[int], line_chars: int) -> int:
+    """How many of the generated tokens the door scores a line on: those whose text (ending at character
+    ``piece_ends[i]`` of the generated text) ends within the first ``line_chars`` characters, plus the one
+    token that ended the line (the newline's, a stop's, the end of sequence); all of them when none did.
+
+    >>> line_token_count([2, 5, 7, 9], 5)  # "ab" "cde" "\\nx" …: the third token ended the line
+    3
+    >>> line_token_count([2, 5], 5)  # generation stopped at the line's end (length): no ending token
+    2
+    """
+    for i, end in enumerate(piece_ends):
+        if end > line_chars:
+            return i + 1
+    return len(piece_ends)
+
+
 @torch.no_grad()
-def generate(model, tokenizer, tasks: Sequence[FimTask], *, max_new_tokens: int = 48, temperature: float = 0.0,
-             top_p: float = 1.0, batch_size: int = 8, max_prompt_tokens: int = 2048, seed: int = 0,
-             with_context: bool = False, progress: Callable[[int], None] | None = None) -> list[str]:
-    """One completion per task (cut as Continue shows it)."""
+def sample_draws(model, tokenizer, tasks: Sequence[FimTask], *, draws: int = 1, max_new_tokens: int = 48,
+                 temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, max_prompt_tokens: int = 2048,
+                 seed: int = 0, with_context: bool = False,
+                 progress: Callable[[int], None] | None = None) -> list[Draw]:
+    """``draws`` completions per task (draw-major: every task's draw 0, then draw 1 …), each with the first
+    line and its tokens' behaviour log-probabilities, sampled as the front door's engine serves them.
+
+    Sampling is transformers' (softmax(z / T), nucleus ``top_p``); the log-probabilities are recomputed from
+    the raw logits with ``sampling_log_probs``, the door's definition (at top-p 1, what the simulated users
+    send, the two distributions are the same)."""
+    from policy.sampling import sampling_log_probs
+
     fmt = prompt_format(tokenizer)  # the served model's prompt format, as the front door renders it
     stops = tuple(dict.fromkeys([*CONTINUE_STOPS, *fmt.stop_words]))
     budget = min(max_prompt_tokens, getattr(tokenizer, "model_max_length", max_prompt_tokens) or max_prompt_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = next(model.parameters()).device
-    out: list[str] = []
+    out: list[Draw] = []
     generator_seed = seed
-    for batch in iter_batches(list(tasks), batch_size):
-        rows = []
-        for t in batch:
-            rows.append(prompt_token_ids(tokenizer, t.fim_prompt(with_context=with_context), budget, fmt)[0])
-        width = max(len(r) for r in rows)
-        # Left padding: every row's next token comes right after its own prompt.
-        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-        stop = _StopWhenDone(tokenizer, width, [single_line_mode(t.prefix) for t in batch], stops)
-        sampling = temperature > 0
-        torch.manual_seed(generator_seed)
-        generator_seed += 1
-        generated = model.generate(
-            input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sampling,
-            temperature=temperature if sampling else None, top_p=top_p if sampling else None, top_k=None,
-            pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, stopping_criteria=StoppingCriteriaList([stop]))
-        for t, row in zip(batch, generated[:, width:]):
-            text = tokenizer.decode(row, skip_special_tokens=False)
-            out.append(cut_completion(text, t.prefix, stops))
-        if progress:
-            progress(len(batch))
+    indexed = list(enumerate(tasks))
+    for d in range(draws):
+        for batch in iter_batches(indexed, batch_size):
+            rows = []
+            for _, t in batch:
+                rows.append(prompt_token_ids(tokenizer, t.fim_prompt(with_context=with_context), budget, fmt)[0])
+            width = max(len(r) for r in rows)
+            # Left padding: every row's next token comes right after its own prompt.
+            input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+            stop = _StopWhenDone(tokenizer, width, [single_line_mode(t.prefix) for _, t in batch], stops)
+            sampling = temperature > 0
+            torch.manual_seed(generator_seed)
+            generator_seed += 1
+            generated = model.generate(
+                input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sampling,
+                temperature=temperature if sampling else None, top_p=top_p if sampling else None, top_k=None,
+                pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
+                stopping_criteria=StoppingCriteriaList([stop]), output_logits=True, return_dict_in_generate=True)
+            new = generated.sequences[:, width:]
+            logprobs = torch.stack([sampling_log_probs(step, temperature, top_p) for step in generated.logits], 1)
+            chosen = logprobs.gather(-1, new[:, :logprobs.shape[1], None]).squeeze(-1)
+            for row_index, ((i, t), row) in enumerate(zip(batch, new)):
+                ids = row.tolist()
+                if tokenizer.eos_token_id in ids:  # what follows the end of sequence is padding
+                    ids = ids[:ids.index(tokenizer.eos_token_id) + 1]
+                text = tokenizer.decode(ids, skip_special_tokens=False)
+                at = earliest_stop(text, stops)
+                line = (text[:at] if at >= 0 else text).split("\n", 1)[0]
+                ends = []
+                for k in range(len(ids)):
+                    ends.append(len(tokenizer.decode(ids[:k + 1], skip_special_tokens=False)))
+                    if ends[-1] > len(line):
+                        break
+                scored = line_token_count(ends, len(line))
+                out.append(Draw(task_index=i, draw=d, completion=cut_completion(text, t.prefix, stops), line=line,
+                                line_logprobs=tuple(float(x) for x in chosen[row_index, :scored])))
+            if progress:
+                progress(len(batch))
     return out
+
+
+def generate(model, tokenizer, tasks: Sequence[FimTask], *, max_new_tokens: int = 48, temperature: float = 0.0,
+             top_p: float = 1.0, batch_size: int = 8, max_prompt_tokens: int = 2048, seed: int = 0,
+             with_context: bool = False, progress: Callable[[int], None] | None = None) -> list[str]:
+    """One completion per task (cut as Continue shows it)."""
+    return [d.completion for d in sample_draws(
+        model, tokenizer, tasks, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        batch_size=batch_size, max_prompt_tokens=max_prompt_tokens, seed=seed, with_context=with_context,
+        progress=progress)]
 
 
 # -- scoring ----------------------------------------------------------------------------------------

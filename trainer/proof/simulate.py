@@ -215,6 +215,8 @@ class RequestRecord:
     accepted_chars: int = 0
     feedback_event_id: str | None = None
     policy_version: int | None = None
+    gate_version: int | None = None
+    """The show-gate version that decided it (the door's ``X-Tabloop-Gate-Version``; None: no gate)."""
     error: str | None = None
     latency_ms: float = 0.0
     ttft_ms: float | None = None
@@ -292,6 +294,7 @@ class _Stream:
     def __init__(self) -> None:
         self.completion_id: str | None = None
         self.policy_version: int | None = None
+        self.gate_version: int | None = None
         self.text = ""
         self.ttft_ms: float | None = None
         self.latency_ms = 0.0
@@ -299,12 +302,14 @@ class _Stream:
 
 class Simulation:
     def __init__(self, tasks: Sequence[FimTask], config: SimConfig, *,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, user_model=None):
+        """``user_model``: who decides (anything with ``UserModel.accepts``, e.g. a team's user,
+        ``trainer.proof.teams.TeamUsers``); None: ``UserModel(config.rule, config.threshold)``."""
         if not tasks:
             raise ValueError("no tasks to simulate users on")
         self.tasks = list(tasks)
         self.config = config
-        self.user_model = UserModel(config.rule, config.threshold)
+        self.user_model = user_model or UserModel(config.rule, config.threshold)
         if config.rule == "tests":
             missing = [t.task_id for t in self.tasks if t.test is None]
             if missing:
@@ -386,6 +391,7 @@ class Simulation:
                 self.report.errors += 1
                 continue
             record.completion_id, record.policy_version = s.completion_id, s.policy_version
+            record.gate_version = s.gate_version
             record.suggestion, record.latency_ms, record.ttft_ms = s.text, s.latency_ms, s.ttft_ms
             record.shown = shown_text(s.text, single_line=single_line_mode(task.prefix))
             if record.shown is None:
@@ -462,6 +468,8 @@ class Simulation:
             out.completion_id = resp.headers.get("x-tabloop-completion-id")
             version = resp.headers.get("x-tabloop-policy-version")
             out.policy_version = int(version) if version and version.isdigit() else None
+            gate = resp.headers.get("x-tabloop-gate-version")
+            out.gate_version = int(gate) if gate and gate.isdigit() else None
             async for line in resp.aiter_lines():
                 if line.startswith(": ping"):
                     break  # Continue ends the stream on a ping comment

@@ -1,0 +1,226 @@
+"""What `bench loop` measures on held-out tasks (issue 28, items 5 and 6): the served policy (a gate's decision
+on sampled draws), the figures' intervals, the served (weight, gate) pairs, the goals. Numbers worked by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+import pytest
+
+from policy.show_gate import FEATURES, Gate
+from streams.rewards import RewardSpec
+from trainer.proof.evaluate import Draw, line_token_count
+from trainer.proof.served import (Z, figures, gate_decision, mean_interval, paired_difference, relative_change,
+                                  served_rows, wilson)
+from trainer.proof.simulate import UserModel
+from trainer.proof.tasks import FimTask
+
+
+class _Coin:
+    """An RNG whose every draw is ``value``."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+def _gate(probability: float, threshold: float, exploration: float = 0.1, version: int = 1) -> Gate:
+    """A gate that scores every line ``probability`` (zero weights, that intercept)."""
+    n = len(FEATURES)
+    return Gate(coef=(0.0,) * n, intercept=math.log(probability / (1 - probability)), mean=(0.0,) * n,
+                scale=(1.0,) * n, threshold=threshold, exploration=exploration, version=version)
+
+
+def test_the_gate_decides_as_the_door_does():
+    assert gate_decision(None, "   ", [-0.1]) == (False, None, 1.0)  # an empty line shows nothing, gate or not
+    assert gate_decision(_gate(0.3, 0.5), "", [-0.1]) == (False, None, 1.0)
+    assert gate_decision(None, "x = 1", [-0.1]) == (True, None, 1.0)
+    shown, score, p = gate_decision(_gate(0.3, 0.5), "x = 1", [-0.1, -2.0])
+    assert (shown, round(score, 6), p) == (False, 0.3, 0.0)  # ε = 0: the gate's own decision
+    assert gate_decision(_gate(0.6, 0.5), "x = 1", [-0.1])[0] is True
+    # With exploration: under the threshold, shown when the coin falls under ε (0.1), with probability ε.
+    assert gate_decision(_gate(0.3, 0.5), "x = 1", [-0.1], _Coin(0.05))[::2] == (True, 0.1)
+    assert gate_decision(_gate(0.3, 0.5), "x = 1", [-0.1], _Coin(0.5))[::2] == (False, 0.1)
+    assert gate_decision(_gate(0.6, 0.5), "x = 1", [-0.1], _Coin(0.99))[::2] == (True, 1.0)
+
+
+def _tasks():
+    return [FimTask("a", "x = ", "\nrest()\n", "compute(1)"), FimTask("b", "y = ", "\nrest()\n", "other(2)")]
+
+
+def test_served_rows_hide_what_the_gate_hides_and_the_user_decides_the_rest():
+    tasks = _tasks()
+    draws = [Draw(0, 0, "compute(1)", "compute(1)", (-0.1, -0.2)), Draw(1, 0, "wrong(2)", "wrong(2)", (-3.0,)),
+             Draw(0, 1, "", "", ()), Draw(1, 1, "other(2)", "other(2)", (-0.5,))]
+    rows = served_rows(tasks, draws, None, UserModel("exact"), RewardSpec(), explore=False)
+    assert [r["outcome"] for r in rows] == ["ACCEPTED", "REJECTED", "IGNORED", "ACCEPTED"]
+    assert [r["hidden_by_gate"] for r in rows] == [False] * 4
+    hidden = served_rows(tasks, draws, _gate(0.2, 0.5), UserModel("exact"), RewardSpec(), explore=False)
+    assert [r["outcome"] for r in hidden] == ["IGNORED"] * 4
+    assert [r["hidden_by_gate"] for r in hidden] == [True, True, False, True]  # the empty one was nothing anyway
+    assert hidden[0]["completion"] == "compute(1)" and hidden[0]["gate_score"] == 0.2
+    # With exploration, each row's coin is seeded by its task and draw: the same for any gate and any order.
+    a = served_rows(tasks, draws, _gate(0.2, 0.5, exploration=0.5), UserModel("exact"), RewardSpec(), explore=True)
+    b = served_rows(tasks, draws[::-1], _gate(0.2, 0.5, exploration=0.5), UserModel("exact"), RewardSpec(),
+                    explore=True)
+    assert [r["outcome"] for r in a] == [r["outcome"] for r in b][::-1]
+    assert {r["show_probability"] for r in a if r["task_index"] == 0 and r["draw"] == 0} == {0.5}
+
+
+def test_wilson_and_mean_intervals_by_hand():
+    assert Z == pytest.approx(1.644854, abs=1e-6)  # 90 %, two-sided
+    # 2 of 4: centre (0.5 + z²/8) / (1 + z²/4) = 0.5; half z / (1 + z²/4) · √(1/16 + z²/64) = 0.3176
+    assert wilson(2, 4) == {"value": 0.5, "low": 0.1824, "high": 0.8176}
+    assert wilson(0, 0) == {"value": None, "low": None, "high": None}
+    assert wilson(0, 10)["low"] == 0.0 and wilson(0, 10)["high"] > 0
+    # mean 2, sample sd 1: half z / √3 = 0.9497
+    assert mean_interval([1.0, 2.0, 3.0]) == {"value": 2.0, "low": 1.0503, "high": 2.9497}
+    assert mean_interval([4.0]) == {"value": 4.0, "low": 4.0, "high": 4.0}
+    assert mean_interval([])["value"] is None
+
+
+def _row(task: int, shown: bool, accepted: bool, chars: int = 0, hidden: bool = False) -> dict:
+    reward = 0.75 if accepted else (-0.25 if shown else 0.0)
+    return {"task_index": task, "shown": "x" if shown else None, "accepted": accepted, "accepted_chars": chars,
+            "reward": reward, "hidden_by_gate": hidden}
+
+
+def test_figures_count_draws_and_take_the_means_intervals_over_tasks():
+    # task 0: accepted (6 chars) and rejected; task 1: hidden and accepted (2); task 2: rejected twice
+    rows = [_row(0, True, True, 6), _row(0, True, False), _row(1, False, False, hidden=True), _row(1, True, True, 2),
+            _row(2, True, False), _row(2, True, False)]
+    f = figures(rows)
+    assert (f["n"], f["tasks"], f["shown"], f["accepted"], f["hidden_by_gate"]) == (6, 3, 5, 2, 1)
+    assert (f["accept_rate_shown"], f["shown_share"]) == (0.4, 0.8333)
+    assert f["accepted_chars_per_request"] == round(8 / 6, 4)
+    # per task means 3, 1, 0: mean 4/3, sample sd √(7/3), half z · √(7/3) / √3
+    half = Z * math.sqrt(7 / 3) / math.sqrt(3)
+    assert f["intervals"]["accepted_chars_per_request"] == [round(4 / 3 - half, 4), round(4 / 3 + half, 4)]
+    assert f["intervals"]["accept_rate_shown"] == [wilson(2, 5)["low"], wilson(2, 5)["high"]]
+    assert f["reward_mean"] == round((0.75 - 0.25 + 0 + 0.75 - 0.25 - 0.25) / 6, 4)
+
+
+def test_paired_difference_is_over_the_tasks_both_hold():
+    before = [_row(0, True, False), _row(1, True, True, 4), _row(2, True, True, 2)]
+    after = [_row(0, True, True, 3), _row(0, True, True, 1), _row(1, True, True, 4), _row(3, True, True, 9)]
+    d = paired_difference(after, before, "accepted_chars")
+    # tasks 0 and 1: differences 2 − 0 and 4 − 4 → mean 1, sd √2, half z · √2 / √2 = z
+    assert d == {"value": 1.0, "low": round(1 - Z, 4), "high": round(1 + Z, 4)}
+    assert relative_change(0.26, 0.2) == 0.3 and relative_change(0.1, 0.0) is None
+
+
+def test_the_scored_tokens_are_the_lines_and_the_one_that_ended_it():
+    assert line_token_count([2, 5, 7, 9], 5) == 3  # "ab" "cde" "\nx": the newline's token ended the line
+    assert line_token_count([2, 6], 5) == 2  # "ab" "cde)\n"…: a token across the end is the ending token
+    assert line_token_count([2, 5], 5) == 2  # stopped by length at the line's end: no ending token
+    assert line_token_count([0, 3], 0) == 2  # an empty first line: the first token that is past it ended it
+
+
+def test_sample_draws_logs_the_behaviour_logprobs_of_the_scored_tokens(tiny_model):
+    from policy.models import load_model
+    from trainer.proof.evaluate import generate, sample_draws
+
+    model, tokenizer = load_model(tiny_model)
+    tasks = _tasks() * 2
+    greedy = sample_draws(model, tokenizer, tasks, draws=1, temperature=0.0, max_new_tokens=8, batch_size=3)
+    assert [d.completion for d in greedy] == generate(model, tokenizer, tasks, max_new_tokens=8, batch_size=3)
+    assert all(lp == 0.0 for d in greedy for lp in d.line_logprobs)  # a point mass
+    sampled = sample_draws(model, tokenizer, tasks, draws=2, temperature=1.0, max_new_tokens=8, batch_size=3)
+    assert [(d.task_index, d.draw) for d in sampled] == [(i, k) for k in range(2) for i in range(4)]
+    for d in sampled:
+        assert "\n" not in d.line and d.completion.startswith(d.line.rstrip()[:1])
+        assert 1 <= len(d.line_logprobs) <= 8 and all(lp <= 0 for lp in d.line_logprobs)
+    assert any(lp < 0 for d in sampled for lp in d.line_logprobs)
+
+
+def test_the_simulator_records_the_gate_version_the_door_served():
+    from trainer.proof.simulate import SimConfig, Simulation
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        headers = {"x-tabloop-completion-id": "c1", "x-tabloop-policy-version": "3",
+                   "content-type": "text/event-stream"}
+        if b"gated" in request.content:
+            headers["x-tabloop-gate-version"] = "7"
+        body = 'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, headers=headers, content=body.encode())
+
+    async def stream(prompt: str):
+        sim = Simulation(_tasks(), SimConfig(requests=1, users=1))
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+            return await sim._stream(http, 0, prompt)
+
+    gated, plain = asyncio.run(stream("gated")), asyncio.run(stream("plain"))
+    assert (gated.policy_version, gated.gate_version, gated.text) == (3, 7, "x")
+    assert (plain.policy_version, plain.gate_version) == (3, None)
+
+
+def test_feedback_to_policy_counts_a_trained_gate():
+    from tabloop.loop_bench import feedback_to_policy_s
+
+    records = [{"sent_at": 100.0, "latency_ms": 0, "policy_version": 0, "gate_version": None, "error": None,
+                "feedback_sent_at": 101.0},
+               {"sent_at": 120.0, "latency_ms": 500, "policy_version": 0, "gate_version": 1, "error": None,
+                "feedback_sent_at": None},
+               {"sent_at": 130.0, "latency_ms": 0, "policy_version": 1, "gate_version": None, "error": None,
+                "feedback_sent_at": None}]
+    assert feedback_to_policy_s(records) == 19.5  # the gate's completion (120.5) came before version 1's
+    assert feedback_to_policy_s([records[0], records[2]]) == 29.0
+
+
+def test_served_pairs_and_the_gate_each_served_version_was_decided_by():
+    from tabloop.loop_bench import gates_by_version, served_pairs
+
+    records = [{"policy_version": 0, "gate_version": None, "error": None},
+               {"policy_version": 0, "gate_version": 2, "error": None},
+               {"policy_version": 1, "gate_version": 2, "error": None},
+               {"policy_version": 1, "gate_version": 3, "error": None},
+               {"policy_version": 2, "gate_version": 9, "error": "ReadTimeout"},
+               {"policy_version": None, "gate_version": None, "error": None}]
+    assert served_pairs(records) == {0: [2], 1: [2, 3]}
+    gates = [{"project_id": "", "version": 2, "status": "CANDIDATE", "id": "shared-candidate"},
+             {"project_id": "", "version": 2, "status": "PROMOTED", "id": "shared-2"},
+             {"project_id": "", "version": 3, "status": "PROMOTED", "id": "shared-3"},
+             {"project_id": "p", "version": 3, "status": "PROMOTED", "id": "p-3"},
+             {"project_id": "q", "version": 4, "status": "PROMOTED", "id": "q-4"},
+             {"project_id": "", "version": 5, "status": "ROLLED_BACK", "id": "shared-5"}]
+    assert {v: r["id"] for v, r in gates_by_version(gates, "p").items()} == {2: "shared-2", 3: "p-3"}
+
+
+def test_the_goals_read_the_paired_interval_and_the_teams_gain():
+    from tabloop.loop_bench import goal, team_goal
+
+    base = {"accept_rate_shown": 0.20, "shown_share": 0.90, "accepted_chars_per_request": 3.0}
+    better = {"accept_rate_shown": 0.26, "shown_share": 0.70, "accepted_chars_per_request": 2.8}
+    assert not goal(base, better, 30.0)["accepted_chars_not_lower"]  # no interval: the point figures
+    g = goal(base, better, 30.0, {"value": -0.2, "low": -0.5, "high": 0.1})
+    assert g["accepted_chars_not_lower"] and g["accept_rate_rel_change"] == 0.3 and g["met"]
+    assert not goal(base, better, 30.0, {"value": -0.4, "low": -0.6, "high": -0.1})["met"]
+    first = {"accept_rate_shown": 0.2, "intervals": {"accept_rate_shown": [0.15, 0.26]}}
+    last = {"accept_rate_shown": 0.31, "intervals": {"accept_rate_shown": [0.25, 0.37]}}
+    t = team_goal(first, last)
+    assert t["accept_rate_rel_change"] == 0.55 and t["met"] and t["interval_above_first"]
+    assert not team_goal(first, {**last, "accept_rate_shown": 0.29})["met"]
+
+
+def test_the_team_loop_runs_one_teams_tasks_with_its_user_and_no_gate(tmp_path):
+    from tabloop.loop_bench import LoopBenchConfig, bench_settings, tasks_and_user
+    from tests.conftest import make_settings
+    from trainer.proof.teams import TeamUsers
+
+    config = LoopBenchConfig(team="double", threshold=0.3, heldout=5, train_limit=7)
+    train, heldout, user = tasks_and_user(config)
+    assert (len(train), len(heldout)) == (7, 5) and user == TeamUsers(0.3)
+    assert {t.source for t in train + heldout} == {"team:double"}
+    assert all("'" not in t.middle or '"' in t.middle for t in heldout)
+    assert not {t.task_id for t in train} & {t.task_id for t in heldout}
+    base = make_settings(tmp_path)
+    assert bench_settings(base, config, tmp_path / "s", "m").show_gate is False
+    assert bench_settings(base, LoopBenchConfig(), tmp_path / "s", "m").show_gate == base.show_gate
+    with pytest.raises(ValueError, match="team must be one of"):
+        LoopBenchConfig(team="tabs")
+    with pytest.raises(ValueError, match="draws"):
+        LoopBenchConfig(draws=0)
