@@ -63,11 +63,21 @@ def check_adapters(r):
     assert all(ms > 0 for ms in r["adapter_load_ms"])
 
 
-def check_teams(r):
+def check_teams(r, out_dir):
+    """The figures are what the bench's own decision rows (heldout.jsonl) say, each row rewarded by the
+    reward spec (accepted 0.75, rejected -0.25, nothing shown --ignored-reward 0): not merely in range."""
     assert (r["train_tasks"], r["heldout_tasks"]) == (8, 4) and set(r["comparison"]) == {"single", "double"}
-    for figures in r["comparison"].values():
-        assert set(figures["shown_share"]) == {"base", "shared", "own"}
-        assert all(-0.25 <= v <= 0.75 for v in figures["reward_mean"].values())
+    rows = [json.loads(line) for line in (out_dir / "heldout.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["reward"] == {"ACCEPTED": 0.75, "REJECTED": -0.25}.get(row["outcome"], 0.0), row
+        assert (row["shown"] is not None) == (row["outcome"] in ("ACCEPTED", "REJECTED")), row
+    for team, figures in r["comparison"].items():
+        assert set(figures["shown_share"]) == set(figures["reward_mean"]) == {"base", "shared", "own"}
+        for label, policy in (("base", "base"), ("shared", "shared"), ("own", f"team:{team}")):
+            mine = [row for row in rows if (row["policy"], row["team"]) == (policy, team)]
+            assert len(mine) == 4, (policy, team, len(mine))
+            assert figures["reward_mean"][label] == round(sum(row["reward"] for row in mine) / 4, 4), (team, label)
+            assert figures["shown_share"][label] == round(sum(row["shown"] is not None for row in mine) / 4, 4)
 
 
 # name: (arguments, settings for the run, the check of its JSON)
@@ -107,7 +117,8 @@ def test_each_bench_runs_small_and_reports_json(name, kafka, tiny_model, tmp_pat
     args, settings, check = BENCHES[name]
     out = bench(name, args, kafka, tiny_model, tmp_path, **settings)
     assert out.returncode == 0, out.stderr[-3000:]
-    check(json.loads(out.stdout.strip().splitlines()[-1]))
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    check(report, tmp_path / "teams") if check is check_teams else check(report)
     # Nothing left behind: the pipeline bench's broker data used to stay in /tmp after every run.
     assert list((tmp_path / "scratch").iterdir()) == []
 
