@@ -11,7 +11,7 @@ import pytest
 
 from policy.show_gate import FEATURES, Gate
 from streams.rewards import RewardSpec
-from trainer.proof.evaluate import Draw, line_token_count
+from trainer.proof.evaluate import Draw
 from trainer.proof.served import (Z, figures, gate_decision, mean_interval, paired_difference, relative_change,
                                   served_rows, wilson)
 from trainer.proof.simulate import UserModel
@@ -113,13 +113,6 @@ def test_paired_difference_is_over_the_tasks_both_hold():
     assert relative_change(0.26, 0.2) == 0.3 and relative_change(0.1, 0.0) is None
 
 
-def test_the_scored_tokens_are_the_lines_and_the_one_that_ended_it():
-    assert line_token_count([2, 5, 7, 9], 5) == 3  # "ab" "cde" "\nx": the newline's token ended the line
-    assert line_token_count([2, 6], 5) == 2  # "ab" "cde)\n"…: a token across the end is the ending token
-    assert line_token_count([2, 5], 5) == 2  # stopped by length at the line's end: no ending token
-    assert line_token_count([0, 3], 0) == 2  # an empty first line: the first token that is past it ended it
-
-
 def test_sample_draws_logs_the_behaviour_logprobs_of_the_scored_tokens(tiny_model):
     from policy.models import load_model
     from trainer.proof.evaluate import generate, sample_draws
@@ -135,6 +128,23 @@ def test_sample_draws_logs_the_behaviour_logprobs_of_the_scored_tokens(tiny_mode
         assert "\n" not in d.line and d.completion.startswith(d.line.rstrip()[:1])
         assert 1 <= len(d.line_logprobs) <= 8 and all(lp <= 0 for lp in d.line_logprobs)
     assert any(lp < 0 for d in sampled for lp in d.line_logprobs)
+    # The logged figures are log π_T of the sampled tokens, recomputed here by one forward pass of each row alone.
+    import torch
+
+    from policy.fim import prompt_format, prompt_token_ids
+    from policy.sampling import sampling_log_probs
+
+    fmt, compared = prompt_format(tokenizer), 0
+    for d in sampled:
+        prompt = prompt_token_ids(tokenizer, tasks[d.task_index].fim_prompt(), 2048, fmt)[0]
+        assert len(d.line_token_ids) == len(d.line_logprobs)
+        ids = torch.tensor([prompt + list(d.line_token_ids)])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:-1]
+        want = sampling_log_probs(logits, 1.0, 1.0).gather(-1, torch.tensor(d.line_token_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(d.line_logprobs), want, atol=1e-3), (d, want)
+        compared += 1
+    assert compared >= 2
 
 
 def test_the_simulator_records_the_gate_version_the_door_served():

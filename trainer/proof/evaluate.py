@@ -32,7 +32,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from policy.fim import earliest_stop, prompt_format, prompt_token_ids
-from policy.shown import single_line_mode
+from policy.shown import kept_token_count, single_line_mode
 from streams.rewards import RewardSpec
 from trainer.metrics import Scored, summarize, user_figures
 from trainer.proof.simulate import CONTINUE_STOPS, UserModel, decision_rows
@@ -144,22 +144,8 @@ class Draw:
     line_logprobs: tuple[float, ...]
     """Behaviour log-probabilities (``policy.sampling.sampling_log_probs`` at the sampling temperature and
     top-p, as the door logs them) of the tokens whose text ends within ``line``, plus the one that ended it."""
-
-
-def line_token_count(piece_ends: Sequence[int], line_chars: int) -> int:
-    """How many of the generated tokens the door scores a line on: those whose text (ending at character
-    ``piece_ends[i]`` of the generated text) ends within the first ``line_chars`` characters, plus the one
-    token that ended the line (the newline's, a stop's, the end of sequence); all of them when none did.
-
-    >>> line_token_count([2, 5, 7, 9], 5)  # "ab" "cde" "\\nx" …: the third token ended the line
-    3
-    >>> line_token_count([2, 5], 5)  # generation stopped at the line's end (length): no ending token
-    2
-    """
-    for i, end in enumerate(piece_ends):
-        if end > line_chars:
-            return i + 1
-    return len(piece_ends)
+    line_token_ids: tuple[int, ...] = ()
+    """Those tokens' ids."""
 
 
 @torch.no_grad()
@@ -216,9 +202,10 @@ def sample_draws(model, tokenizer, tasks: Sequence[FimTask], *, draws: int = 1, 
                     ends.append(len(tokenizer.decode(ids[:k + 1], skip_special_tokens=False)))
                     if ends[-1] > len(line):
                         break
-                scored = line_token_count(ends, len(line))
+                scored = kept_token_count(ends, len(line))  # the door's own rule
                 out.append(Draw(task_index=i, draw=d, completion=cut_completion(text, t.prefix, stops), line=line,
-                                line_logprobs=tuple(float(x) for x in chosen[row_index, :scored])))
+                                line_logprobs=tuple(float(x) for x in chosen[row_index, :scored]),
+                                line_token_ids=tuple(ids[:scored])))
             if progress:
                 progress(len(batch))
     return out
