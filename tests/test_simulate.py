@@ -55,14 +55,18 @@ def test_tests_rule_runs_the_tasks_tests(monkeypatch):
     user = UserModel("tests")
     assert user.accepts(task, task.middle, run_tests=sandbox_passes)
     assert not user.accepts(task, "return None", run_tests=sandbox_passes)
+    # A suggestion that forges its way past in-program tests (an answer equal to everything) fails the judge's.
+    forged = "return type('E', (), {'__eq__': lambda s, o: True, '__ne__': lambda s, o: False})()"
+    assert not user.accepts(task, forged, run_tests=sandbox_passes)
     with pytest.raises(ValueError, match="has none"):
         user.accepts(TASK, " * h", run_tests=sandbox_passes)
-    # The sandbox the rule runs in is the test scorer's: sandbox_passes hands the whole program to it.
+    # The sandbox the rule runs in is the test scorer's: sandbox_passes hands it the file and, apart, the
+    # tests, so the verdict is the judge's (a program holding its own tests could forge it).
     ran = []
     monkeypatch.setattr("streams.sandbox.run_tests",
-                        lambda program, **kw: ran.append(program) or SimpleNamespace(passed=False))
+                        lambda program, **kw: ran.append((program, kw.get("tests"))) or SimpleNamespace(passed=False))
     assert not user.accepts(task, task.middle, run_tests=sandbox_passes)
-    assert ran == [task.program(task.middle)]
+    assert ran == [(task.source_with(task.middle), task.test)]
 
 
 def test_payloads_parse_into_the_events_the_front_door_makes():

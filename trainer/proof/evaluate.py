@@ -235,7 +235,8 @@ def score_tests(tasks: Sequence[FimTask], completions: Sequence[str], *, workers
     # One uid per worker: runs of one uid share its process limit and could signal each other.
     def run(i: int) -> bool:
         uid = 65534 - (i % workers)
-        return run_tests(tasks[i].program(completions[i]), timeout_s=timeout_s, uid=uid, gid=65534).passed
+        return run_tests(tasks[i].source_with(completions[i]), tests=tasks[i].test, timeout_s=timeout_s, uid=uid,
+                         gid=65534).passed
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         return list(pool.map(run, range(len(tasks))))

@@ -70,13 +70,14 @@ class UserModel:
         if not 0 <= self.threshold <= 1:
             raise ValueError(f"similarity threshold must be in [0, 1], got {self.threshold}")
 
-    def accepts(self, task: FimTask, shown: str, *, run_tests: Callable[[str], bool] | None = None) -> bool:
+    def accepts(self, task: FimTask, shown: str, *, run_tests: Callable[[str, str], bool] | None = None) -> bool:
+        """``run_tests(source, tests)`` decides the tests rule: the file with the suggestion, the task's tests."""
         if self.rule == "tests":
             if task.test is None:
                 raise ValueError(f"the tests rule needs tasks with tests; {task.task_id} has none")
             if run_tests is None:
                 raise ValueError("the tests rule needs a test runner")
-            return run_tests(task.program(shown))
+            return run_tests(task.source_with(shown), task.test)
         got, want = first_line(shown).rstrip(), task.true_line_rest.rstrip()
         if self.rule == "exact":
             return bool(want) and got == want
@@ -108,10 +109,11 @@ def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: Us
     return rows
 
 
-def sandbox_passes(program: str) -> bool:
+def sandbox_passes(source: str, tests: str | None = None) -> bool:
+    """The file passes the tests, run in the sandbox with the verdict decided by the judge outside it."""
     from streams.sandbox import run_tests
 
-    return run_tests(program, timeout_s=10.0).passed
+    return run_tests(source, tests=tests, timeout_s=10.0).passed
 
 
 # -- what Continue sends (pure) ----------------------------------------------------------

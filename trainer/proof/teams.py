@@ -113,7 +113,7 @@ class TeamUsers:
 
     threshold: float = 0.3
 
-    def accepts(self, task: FimTask, shown: str, *, run_tests: Callable[[str], bool] | None = None) -> bool:
+    def accepts(self, task: FimTask, shown: str, *, run_tests: Callable[[str, str], bool] | None = None) -> bool:
         from trainer.proof.simulate import UserModel
 
         return (first_literal_quote(first_line(shown)) == TEAMS[team_of(task)]
