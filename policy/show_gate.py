@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field, replace
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -97,9 +97,10 @@ class Gate:
     """The weight version whose logged episodes it was fit on (its logprobs are the features' scale)."""
 
     def score(self, features: Sequence[float]) -> float:
-        """The estimated probability the user accepts the line."""
-        x = (np.asarray(features, dtype=float) - np.asarray(self.mean)) / np.asarray(self.scale)
-        return float(sigmoid(float(np.dot(self.coef, x)) + self.intercept))
+        """The estimated probability the user accepts the line (plain Python: it runs on every request, and
+        seven products need no arrays)."""
+        z = self.intercept + sum(c * (x - m) / s for c, x, m, s in zip(self.coef, features, self.mean, self.scale))
+        return 1.0 / (1.0 + math.exp(-min(max(z, -40.0), 40.0)))
 
     def show_probability(self, score: float) -> float:
         """π(show | line): 1 at or above the threshold, ``exploration`` below it."""
@@ -228,11 +229,18 @@ class FitConfig:
     min_each: int = 8
     """At least this many accepted and this many rejected lines: a gate fit on one class says nothing."""
     folds: int = 5
-    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Fit:
+    gate: Gate
+    cross_fitted: np.ndarray
+    """Each decided line's score from a model fit without it: the scores the threshold was chosen on, and
+    those an off-policy estimate of the gate must use."""
 
 
 def fit_gate(decided: Sequence[Decided], config: FitConfig = FitConfig(), *, version: int = 0,
-             project_id: str = "", policy_version: int = 0) -> Gate | None:
+             project_id: str = "", policy_version: int = 0) -> Fit | None:
     """A gate fit on decided lines, its threshold chosen on cross-fitted scores; None when there are too
     few lines, or too few of either outcome, to fit one."""
     accepted = sum(d.accepted for d in decided)
@@ -244,10 +252,43 @@ def fit_gate(decided: Sequence[Decided], config: FitConfig = FitConfig(), *, ver
     coef, intercept, mean, scale = fit_logistic(X, y, w, l2=config.l2)
     scores = cross_fitted_scores(X, y, w, folds=config.folds, l2=config.l2)
     threshold = choose_threshold(scores, [d.accepted_chars for d in decided], w, keep=config.keep)
-    return Gate(coef=tuple(float(c) for c in coef), intercept=intercept, mean=tuple(float(m) for m in mean),
+    gate = Gate(coef=tuple(float(c) for c in coef), intercept=intercept, mean=tuple(float(m) for m in mean),
                 scale=tuple(float(s) for s in scale), threshold=threshold, exploration=config.exploration,
                 version=version, project_id=project_id, policy_version=policy_version)
+    return Fit(gate, scores)
 
 
-def with_threshold(gate: Gate, threshold: float) -> Gate:
-    return replace(gate, threshold=threshold)
+# -- which gate serves: the one rule of the door, the learner and `tabloop gates` -------------------------
+
+
+def latest_statuses(records: Iterable[dict], project: str) -> dict[int, dict]:
+    """version -> its newest GateVersion record, for one project's gates (what compaction keeps)."""
+    out: dict[int, dict] = {}
+    for r in records:
+        if (r.get("project_id") or "") == project:
+            out[r["version"]] = r
+    return out
+
+
+def serving_gate_record(records: Iterable[dict], project: str) -> dict | None:
+    """The gate serving a project's own traffic: its newest version whose latest status is PROMOTED and whose
+    features this build computes (a version rolled back since is passed over, back to the one promoted
+    before it); None: none of its own."""
+    promoted = [r for r in latest_statuses(records, project).values()
+                if r["status"] == "PROMOTED" and list(r["feature_names"]) == list(FEATURES)]
+    return max(promoted, key=lambda r: r["version"]) if promoted else None
+
+
+def serving_gates(records: Sequence[dict]) -> dict[str, Gate]:
+    """Every project's own serving gate ("" the shared one)."""
+    out = {}
+    for project in dict.fromkeys(r.get("project_id") or "" for r in records):
+        record = serving_gate_record(records, project)
+        if record is not None:
+            out[project] = Gate.from_record(record)
+    return out
+
+
+def gate_for(gates: dict[str, Gate], project: str) -> Gate | None:
+    """The gate a project's completions are scored with: its own, else the shared one, else none."""
+    return gates.get(project) or gates.get("")

@@ -106,7 +106,7 @@ class FrontDoor:
         caller = self.authenticate(request)
         params = parse(await self._body(request), self.settings)
         run = CompletionRun(params, self.engine, self.settings, caller.project_id, caller.user_id, self.replica_id)
-        if self.gates is not None and self.settings.show_gate:
+        if self.gates is not None:  # the server makes a watcher only with TABLOOP_SHOW_GATE on
             run.gate, run.rng = self.gates.for_project(caller.project_id), self.gate_rng
         run.prepare()  # a prompt we can't serve is a 400 now, not a broken stream later
         self._check_event_fits(run)
@@ -115,11 +115,9 @@ class FrontDoor:
             # Known once the first token exists: a request runs start to end on one version.
             version = run.policy_version if run.policy_version is not None else self.engine.policy_version
             out = {"X-Tabloop-Completion-Id": run.completion_id, "X-Tabloop-Policy-Version": str(version)}
-            if gate is not None:
-                out["X-Tabloop-Gate-Version"] = str(gate.version)
+            if run.deciding_gate is not None:  # known by then: nothing is sent before the gate decides
+                out["X-Tabloop-Gate-Version"] = str(run.deciding_gate.version)
             return out
-
-        gate = run.gate  # the gate the request started with (an empty first line drops it from the run)
 
         if not params.stream:
             try:

@@ -217,6 +217,11 @@ class CompletionRun:
                                             project_id=self.project_id)
         return self.generation
 
+    @property
+    def deciding_gate(self) -> Gate | None:
+        """The gate that decided this completion: None without one, or when its first line was empty."""
+        return self.gate if self.gate_score is not None else None
+
     def _decide(self, held: str) -> bool:
         """The show-gate's decision on the first line of ``held`` (all generated so far, nothing sent yet):
         True to send it. The line's figures are those the join's episode will carry: its text and its
@@ -225,7 +230,6 @@ class CompletionRun:
         starts on the next line has no line to judge yet."""
         line = first_line(held)
         if not line.strip():
-            self.gate = None
             return True
         kept = kept_token_count(self.token_text_ends, len(line))
         self.gate_score = self.gate.score(line_features(line, self.logprobs[:kept]))
@@ -350,6 +354,7 @@ class CompletionRun:
         # past a stop, held back and never sent, or read by a client that had already gone. A line the
         # gate hid is kept the same way: it is what the gate decided on.
         text = self.text if self.gate_shown else self.hidden_line
+        gate = self.deciding_gate
         kept = kept_token_count(self.token_text_ends, len(text))
         ends = self.token_text_ends[:kept]
         return new_event(
@@ -365,7 +370,7 @@ class CompletionRun:
             temperature=self.params.temperature, top_p=self.params.top_p, max_tokens=self.params.max_tokens,
             requested_temperature=self.params.requested_temperature,
             ttft_ms=self.ttft_ms, latency_ms=self.latency_ms, replica_id=self.replica_id,
-            gate_version=self.gate.version if self.gate is not None else None, gate_score=self.gate_score,
-            gate_threshold=self.gate.threshold if self.gate is not None else None, gate_shown=self.gate_shown,
+            gate_version=gate.version if gate is not None else None, gate_score=self.gate_score,
+            gate_threshold=gate.threshold if gate is not None else None, gate_shown=self.gate_shown,
             show_probability=self.show_probability,
         )

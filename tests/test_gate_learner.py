@@ -11,13 +11,13 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from click.testing import CliRunner
 
-from policy.show_gate import Decided, Gate, line_features
+from policy.show_gate import FEATURES, Decided, Gate, line_features, serving_gate_record
 from schemas.events import new_event
 from streams.rewards import RewardSpec, RewardSpecs
 from tests.conftest import make_settings
 from trainer.episodes import drop_reason
 from trainer.show_gate import (GateLearner, decided_from_episode, estimate_show_rule, evaluate_candidate,
-                               promotion, restated, serving_gate_record, weighted_auc)
+                               promotion, restated, weighted_auc)
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
@@ -152,7 +152,7 @@ def test_weighted_auc_by_hand():
 
 def test_the_serving_gate_is_the_newest_promoted_not_rolled_back():
     def rec(v, status, project=""):
-        return {"project_id": project, "version": v, "status": status}
+        return {"project_id": project, "version": v, "status": status, "feature_names": list(FEATURES)}
 
     records = [rec(1, "PROMOTED"), rec(2, "PROMOTED"), rec(3, "ROLLED_BACK"), rec(1, "PROMOTED", "acme")]
     assert serving_gate_record(records, "")["version"] == 2

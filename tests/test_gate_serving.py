@@ -8,10 +8,9 @@ import pytest
 
 from infra.auth import KeyStore
 from infra.bus import EventProducer, ensure_topics
-from policy.show_gate import FEATURES, Gate
+from policy.show_gate import FEATURES, Gate, gate_for, serving_gates
 from schemas.events import new_event
 from schemas.topics import COMPLETIONS
-from serving.gates import fold_gate_event, gate_for
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique
 from tests.system_helpers import poll
@@ -27,23 +26,29 @@ def gate_event(version: int, status: str = "PROMOTED", *, project: str = "", thr
 
 
 def test_which_gate_a_project_is_served_by_hand():
-    book: dict = {}
-    assert gate_for(book, "p") is None  # no gate: everything shown
-    book = fold_gate_event(book, gate_event(1).record)
-    assert gate_for(book, "p").version == 1 and gate_for(book, "").version == 1  # the shared gate
-    book = fold_gate_event(book, gate_event(1, project="p", threshold=0.9).record)
-    assert gate_for(book, "p").threshold == 0.9 and gate_for(book, "q").version == 1
-    book = fold_gate_event(book, gate_event(2, project="p").record)
-    assert gate_for(book, "p").version == 2
-    book = fold_gate_event(book, gate_event(3, "CANDIDATE", project="p").record)
-    assert gate_for(book, "p").version == 2  # a candidate is not served
-    book = fold_gate_event(book, gate_event(2, "ROLLED_BACK", project="p").record)
-    assert gate_for(book, "p").version == 1 and gate_for(book, "p").threshold == 0.9  # the one before it
-    book = fold_gate_event(book, gate_event(1, "ROLLED_BACK", project="p").record)
-    assert gate_for(book, "p").project_id == ""  # the project's gates all rolled back: the shared one
-    before = book
-    book = fold_gate_event(book, gate_event(4, features=("log_tokens",)).record)
-    assert book is before  # a gate over features this build does not compute is never served
+    records: list = []
+
+    def served(project: str):
+        return gate_for(serving_gates(records), project)
+
+    def publish(event) -> None:
+        records.append(event.record)
+
+    assert served("p") is None  # no gate: everything shown
+    publish(gate_event(1))
+    assert served("p").version == 1 and served("").version == 1  # the shared gate
+    publish(gate_event(1, project="p", threshold=0.9))
+    assert served("p").threshold == 0.9 and served("q").version == 1
+    publish(gate_event(2, project="p"))
+    assert served("p").version == 2
+    publish(gate_event(3, "CANDIDATE", project="p"))
+    assert served("p").version == 2  # a candidate is not served
+    publish(gate_event(2, "ROLLED_BACK", project="p"))
+    assert served("p").version == 1 and served("p").threshold == 0.9  # the one before it
+    publish(gate_event(1, "ROLLED_BACK", project="p"))
+    assert served("p").project_id == ""  # the project's gates all rolled back: the shared one
+    publish(gate_event(4, features=("log_tokens",)))
+    assert served("p").version == 1  # a gate over features this build does not compute is never served
 
 
 @pytest.mark.kafka

@@ -116,8 +116,9 @@ def test_fit_gate_learns_from_gated_traffic_and_keeps_the_accepted_characters():
     shown = rng.random(3000) < probs
     decided = [Decided(tuple(x), bool(a), float(c if a else 0), float(p))
                for x, a, c, p, s in zip(X, accepted, chars, probs, shown) if s]
-    gate = fit_gate(decided, FitConfig(keep=0.99), version=1)
-    assert gate is not None and gate.threshold > 0
+    fit = fit_gate(decided, FitConfig(keep=0.99), version=1)
+    assert fit is not None and fit.gate.threshold > 0
+    gate = fit.gate
     X2, p2, chars2 = simulated_traffic(np.random.default_rng(8), 20000)
     show = np.array([gate.score(x) >= gate.threshold for x in X2])
     kept = np.sum((p2 * chars2)[show]) / np.sum(p2 * chars2)

@@ -228,7 +228,7 @@ def _gate_of(project: str) -> str:
 @click.pass_context
 def gates_list(ctx: click.Context, as_json: bool) -> None:
     """Every gate version with its latest status; * marks the one serving its project."""
-    from trainer.show_gate import latest_statuses, serving_gate_record
+    from policy.show_gate import latest_statuses, serving_gate_record
 
     records = read_gate_records(_settings(ctx))
     rows = []
@@ -270,7 +270,8 @@ def gates_list(ctx: click.Context, as_json: bool) -> None:
 def gates_rollback(ctx: click.Context, version: int, project: str) -> None:
     """Publish VERSION as ROLLED_BACK: the door goes back to the project's gate promoted before it, else the
     shared gate, else shows everything."""
-    from trainer.show_gate import latest_statuses, restated, serving_gate_record
+    from policy.show_gate import latest_statuses, serving_gate_record
+    from trainer.show_gate import restated
 
     settings = _settings(ctx)
     records = read_gate_records(settings)

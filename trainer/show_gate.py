@@ -44,7 +44,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from policy.show_gate import FEATURES, Decided, FitConfig, Gate, cross_fitted_scores, first_line_features, fit_gate
+from policy.show_gate import (Decided, FitConfig, Gate, first_line_features, fit_gate, latest_statuses,
+                               serving_gate_record)
 from schemas.events import Event, new_event
 from streams.rewards import RewardSpec, RewardSpecs
 from trainer.ope import effective_sample_size, ratio_estimate
@@ -199,22 +200,6 @@ def weighted_auc(scores: Sequence[float], labels: Sequence[bool], weights: Seque
 # -- gate versions on the topic ------------------------------------------------------------------------------
 
 
-def latest_statuses(records: Iterable[dict], project: str) -> dict[int, dict]:
-    """version -> its newest record, for one project's gates (what compaction keeps)."""
-    out: dict[int, dict] = {}
-    for r in records:
-        if (r.get("project_id") or "") == project:
-            out[r["version"]] = r
-    return out
-
-
-def serving_gate_record(records: Iterable[dict], project: str) -> dict | None:
-    """The gate serving a project's own traffic: its newest version whose latest status is PROMOTED (a
-    version rolled back since is passed over, back to the one promoted before it); None: none of its own."""
-    promoted = [r for r in latest_statuses(records, project).values() if r["status"] == "PROMOTED"]
-    return max(promoted, key=lambda r: r["version"]) if promoted else None
-
-
 def next_gate_version(records: Iterable[dict], project: str) -> int:
     return max(latest_statuses(records, project), default=0) + 1
 
@@ -354,12 +339,7 @@ class GateLearner:
         record = own or (serving_gate_record(self.gate_records, "") if project else None)
         if record is None:
             return None, None
-        try:
-            gate = Gate.from_record(record)
-        except ValueError as exc:  # a gate over other features: judged against always-show
-            log.warning("gate: %s", exc)
-            return None, None
-        return gate, record["version"] if own else None
+        return Gate.from_record(record), record["version"] if own else None
 
     def due(self, project: str) -> bool:
         window = self.windows.get(project)
@@ -383,15 +363,14 @@ class GateLearner:
         policy = self.policy_version(project)
         version = next_gate_version(self.gate_records, project)
         window.attempted_at = window.added
-        gate = fit_gate(decided, self.config, version=version, project_id=project, policy_version=policy)
+        fit = fit_gate(decided, self.config, version=version, project_id=project, policy_version=policy)
         window.new = 0
         window.fitted_policy = policy
-        if gate is None:
+        if fit is None:
             return None
-        X = np.array([d.features for d in decided], dtype=float)
-        y = np.array([d.accepted for d in decided], dtype=bool)
-        w = np.array([1.0 / max(d.show_probability, 1e-6) for d in decided])
-        crossed = cross_fitted_scores(X, y.astype(float), w, folds=self.config.folds, l2=self.config.l2)
+        gate, crossed = fit.gate, fit.cross_fitted
+        y = [d.accepted for d in decided]
+        w = [1.0 / max(d.show_probability, 1e-6) for d in decided]
         in_sample = [gate.score(d.features) for d in decided]
         serving, serving_version = self.serving_gate(project)
         metrics = evaluate_candidate(decided, list(crossed), gate.threshold, serving=serving,
@@ -530,5 +509,5 @@ class GateLearnerThread:
             consumer.close()
 
 
-__all__ = ["FEATURES", "GateLearner", "GateLearnerThread", "decided_from_episode", "estimate_show_rule",
-           "evaluate_candidate", "promotion", "serving_gate_record", "weighted_auc"]
+__all__ = ["GateLearner", "GateLearnerThread", "decided_from_episode", "estimate_show_rule", "evaluate_candidate",
+           "promotion", "weighted_auc"]
