@@ -113,3 +113,36 @@ def guarded_protocol(settings) -> type[GuardedH11Protocol]:
                                                               "body_timeout_s": settings.body_timeout_s})
 
 
+class BodyRefused(Exception):
+    """A request body not taken: what to answer (status, message, headers)."""
+
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
+
+
+async def read_body(request, max_bytes: int, timeout_s: float | None = None) -> bytes:
+    """A request's body, checked as it comes: 413 on a Content-Length over ``max_bytes`` before a byte is
+    read, or as soon as the streamed bytes pass it; 408 when it has not all come within ``timeout_s``; 400
+    for a client that went away mid-body (ordinary: no traceback; the answer goes nowhere). Raises
+    BodyRefused with the answer; the front door and the history port each shape it their way."""
+    import anyio
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyRefused(413, f"request body of {declared} bytes is over the {max_bytes}-byte limit")
+    body = bytearray()
+    try:
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise BodyRefused(413, f"request body is over the {max_bytes}-byte limit")
+    except ClientDisconnect:
+        raise BodyRefused(400, "the client went away before its body came", {"Connection": "close"}) from None
+    except TimeoutError:
+        # Connection: close, as the rest of the body may still be on its way.
+        raise BodyRefused(408, f"request body not received within {timeout_s:g}s ({len(body)} bytes came)",
+                          {"Connection": "close"}) from None
+    return bytes(body)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import anyio
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse
+
+from infra.http_server import BodyRefused, read_body
 
 # Input caps. Text (prompts, completions) is bounded by the body cap and by what one event may hold
 # (serving/publisher.py); everything else has a cap of its own, so no id or name can grow an event or a
@@ -39,22 +40,10 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float | None = 
     """The request's JSON body: 413 past ``max_bytes`` (without reading it all), 408 when it has not all
     arrived within ``timeout_s``, 400 if it is not JSON, nests deeper than MAX_JSON_DEPTH, or has a string
     that is not Unicode text (a lone surrogate: no UTF-8 encoder, Kafka's Avro codec included, takes it)."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise HTTPProblem(413, f"request body of {declared} bytes is over the {max_bytes}-byte limit")
-    body = bytearray()
     try:
-        with anyio.fail_after(timeout_s):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_bytes:
-                    raise HTTPProblem(413, f"request body is over the {max_bytes}-byte limit")
-    except ClientDisconnect:  # the client went away mid-body: ordinary, no traceback; the answer goes nowhere
-        raise HTTPProblem(400, "the client went away before its body came", headers={"Connection": "close"}) from None
-    except TimeoutError:
-        # Connection: close, as the rest of the body may still be on its way.
-        raise HTTPProblem(408, f"request body not received within {timeout_s:g}s ({len(body)} bytes came)",
-                          headers={"Connection": "close"}) from None
+        body = await read_body(request, max_bytes, timeout_s)
+    except BodyRefused as refused:
+        raise HTTPProblem(refused.status, refused.message, headers=refused.headers) from None
     try:
         value = json.loads(body, parse_constant=_no_constant)
     except RecursionError:

@@ -110,28 +110,15 @@ def dashboard_data(store: HistoryStore, days: int = 30, project: str | None = No
 
 
 async def _read_body(request: Request) -> bytes | Response:
-    """The body, checked as it comes: 413 on a Content-Length over MAX_QUERY_BYTES before reading a byte, or
-    as soon as the streamed bytes pass it; 408 when it has not all come within BODY_TIMEOUT_S; and, for a
-    client that went away mid-body, an empty answer to nobody (no traceback in the log: it is ordinary)."""
-    import anyio
-    from starlette.requests import ClientDisconnect
+    """The body (``infra.http_server.read_body``: size checked before and while it is read, a deadline, a
+    client that left mid-body answered quietly), or the response refusing it."""
+    from infra.http_server import BodyRefused, read_body
 
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_QUERY_BYTES:
-        return _problem(413, f"query is over {MAX_QUERY_BYTES} bytes ({declared} declared)")
-    body = bytearray()
     try:
-        with anyio.fail_after(BODY_TIMEOUT_S):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > MAX_QUERY_BYTES:
-                    return _problem(413, f"query is over {MAX_QUERY_BYTES} bytes")
-    except TimeoutError:
-        return JSONResponse({"error": {"message": f"request body not received within {BODY_TIMEOUT_S:g}s",
-                                       "code": 408}}, status_code=408, headers={"Connection": "close"})
-    except ClientDisconnect:
-        return Response(status_code=400)
-    return bytes(body)
+        return await read_body(request, MAX_QUERY_BYTES, BODY_TIMEOUT_S)
+    except BodyRefused as refused:
+        return JSONResponse({"error": {"message": refused.message, "code": refused.status}},
+                            status_code=refused.status, headers=refused.headers)
 
 
 def _literal(value: str) -> str:
