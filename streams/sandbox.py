@@ -942,6 +942,19 @@ def _tabloop_sandbox_hook(event, args, type=type, str=str, RuntimeError=RuntimeE
             raise RuntimeError("[sandbox] importing ctypes is not allowed in a sandboxed program")
 
 
+def _tabloop_sandbox_main(program_path):
+    # A fresh __main__ for the program with the audit hook on: where both harnesses run it.
+    import builtins, sys, types
+
+    main = types.ModuleType("__main__")
+    namespace = main.__dict__
+    namespace.update(__file__=program_path, __builtins__=builtins)
+    sys.modules["__main__"] = main
+    sys.argv = [program_path]
+    sys.addaudithook(_tabloop_sandbox_hook)
+    return namespace
+
+
 def _tabloop_sandbox_seal():
     # Not dumpable: /proc/self/mem, /proc/self/environ… become root's, closed to the program (it
     # could otherwise read the nonce out of its own memory). ctypes goes once used.
@@ -977,12 +990,7 @@ def _tabloop_sandbox_harness():
     if not ready.acquire(timeout=30):
         raise RuntimeError("[sandbox] the verdict thread did not start")
     _tabloop_sandbox_seal()
-    main = types.ModuleType("__main__")
-    namespace = main.__dict__
-    namespace.update(__file__=program_path, __builtins__=builtins)
-    sys.modules["__main__"] = main
-    sys.argv = [program_path]
-    sys.addaudithook(_tabloop_sandbox_hook)
+    namespace = _tabloop_sandbox_main(program_path)
     run(program, namespace)
     clear_builtins()  # the tests see the builtins as they were, whatever the program patched
     update_builtins(original_builtins)
@@ -996,6 +1004,7 @@ _tabloop_sandbox_harness()
 _END_LINE = "    go.release(); done.acquire()  # the end: the verdict thread checks that this is the line we are on"
 assert _HARNESS.count(_END_LINE) == 1
 _HARNESS = _HARNESS.replace("END_LINE", str(_HARNESS.splitlines().index(_END_LINE) + 1), 1)
+# The hook and the program's __main__, shared with the tests server (``_SERVER``).
 _HOOK_SOURCE = "\n" + _HARNESS[_HARNESS.index("def _tabloop_sandbox_hook("):_HARNESS.index("def _tabloop_sandbox_seal(")]
 
 
@@ -1081,12 +1090,7 @@ def _tabloop_sandbox_server():
 
     with open(program_path, "rb") as f:
         source = f.read()
-    main = types.ModuleType("__main__")
-    namespace = main.__dict__
-    namespace.update(__file__=program_path, __builtins__=builtins)
-    sys.modules["__main__"] = main
-    sys.argv = [program_path]
-    sys.addaudithook(_tabloop_sandbox_hook)
+    namespace = _tabloop_sandbox_main(program_path)
     try:
         exec(compile(source, program_path, "exec", dont_inherit=True), namespace)
         names = {k: enc(v) for k, v in list(namespace.items()) if not (k.startswith("__") and k.endswith("__"))}
