@@ -3,11 +3,14 @@ on settings of a test's own (free ports, a tmp state dir), its status, and waiti
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,3 +182,21 @@ def stalled_partitions(settings, settle_s: float = 20.0) -> dict:
     last = group_positions(settings)
     return {tp: (first.get(tp), pos) for tp, pos in last.items()
             if pos[0] < pos[1] and (tp not in first or first[tp][0] == pos[0] or not tp[0].startswith("tabloop-"))}
+
+
+@contextmanager
+def supervising(settings, components):
+    """A ``tabloop.supervisor.Supervisor`` running ``components`` in a thread of the test: yields it and its
+    output; stopped on the way out, and the thread must be gone within 60 s."""
+    from tabloop import supervisor as sv
+
+    out = io.StringIO()
+    sup = sv.Supervisor(settings, tuple(components), out=out)
+    thread = threading.Thread(target=sup.run)
+    thread.start()
+    try:
+        yield sup, out
+    finally:
+        sup.stop()
+        thread.join(60)
+    assert not thread.is_alive(), "the supervisor did not stop within 60 s"

@@ -3,9 +3,7 @@ components make them, and tightened when an older tabloop left them looser), and
 
 from __future__ import annotations
 
-import io
 import stat
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from tabloop import supervisor as sv
 from infra.files import PrivateFileError, open_private, private_dir, write_private
 from tests.conftest import make_settings
 from tests.system_helpers import cli as _cli
+from tests.system_helpers import supervising
 from tests.system_helpers import wait as _wait
 
 
@@ -104,18 +103,10 @@ def test_supervised_components_write_private_files_and_no_log_holds_the_token(ka
     settings = make_settings(state, kafka_bootstrap=kafka.settings.kafka_bootstrap, history_port=0)
     ensure_topics(settings)
     history = next(c for c in sv.COMPONENTS if c.name == "history")
-    out = io.StringIO()
-    sup = sv.Supervisor(settings, (history,), out=out)
-    thread = threading.Thread(target=sup.run)
-    thread.start()
-    try:
+    with supervising(settings, (history,)) as (sup, out):
         log = state / "logs" / "history.log"
         _wait(lambda: "dashboard http://" in log.read_text(), 180, "the history sink to say where its dashboard is",
               explain=lambda: out.getvalue()[-3000:])
-    finally:
-        sup.stop()
-        thread.join(60)
-    assert not thread.is_alive()
     token = (state / "history.token").read_text().strip()
     assert token.startswith("tlh_")
     assert "dashboard http://" in out.getvalue()  # the line is there, without its token

@@ -29,6 +29,7 @@ from tests.system_helpers import explain_system
 from tests.system_helpers import processes_of as _processes_of
 from tests.system_helpers import row as _row
 from tests.system_helpers import status as _status
+from tests.system_helpers import supervising
 from tests.system_helpers import wait as _wait
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,8 +99,6 @@ def test_a_dead_child_keeps_its_pid_until_the_tick_that_counts_its_exit(tmp_path
 def test_children_are_logged_prefixed_restarted_with_back_off_and_stopped(kafka, tmp_path):
     """The real supervisor on real `tabloop` children: one that never stays up (`kafka status` exits at once),
     one that runs until killed (`events dump --follow`), SIGKILLed mid-run."""
-    import threading
-
     from infra.bus import ensure_topics
 
     settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
@@ -107,11 +106,7 @@ def test_children_are_logged_prefixed_restarted_with_back_off_and_stopped(kafka,
     table = (sv.Component("quitter", ("kafka", "status"), health="alive", grace_s=30),
              sv.Component("follower", ("events", "dump", "tabloop.weights", "--follow"), health="alive",
                           grace_s=1))
-    out = io.StringIO()
-    sup = sv.Supervisor(settings, table, out=out)
-    thread = threading.Thread(target=sup.run)
-    thread.start()
-    try:
+    with supervising(settings, table) as (sup, out):
         quitter, follower = sup.children
         _wait(lambda: quitter.restarts >= 3, 30, "three restarts of the quitter")
         _wait(lambda: follower.healthy and follower.pid, 30, "the follower to be healthy")
@@ -124,10 +119,7 @@ def test_children_are_logged_prefixed_restarted_with_back_off_and_stopped(kafka,
         _wait(lambda: follower.healthy and follower.pid, 30, "the restarted follower to be healthy")
         assert follower.last_exit == -signal.SIGKILL and quitter.healthy is False
         pids = [follower.pid]
-    finally:
-        sup.stop()
-        thread.join(60)
-    assert not thread.is_alive() and all(not pid_alive(p) for p in pids)
+    assert all(not pid_alive(p) for p in pids)
     assert {c.state for c in sup.children} == {"stopped"}
     log = out.getvalue()
     # Exits in a row wait 1 s, 2 s, 4 s …: the quitter never ran long enough to start over.
@@ -306,8 +298,6 @@ def test_children_end_when_the_supervisor_itself_is_sigkilled(kafka, tmp_path):
 def test_a_front_door_that_stops_answering_is_restarted(kafka, tiny_model, tmp_path, monkeypatch):
     """The supervisor's liveness probe: a front door that was healthy and then stops answering /readyz (here
     SIGSTOPped: alive, its port open, nothing answered) is killed after HUNG_RESTART_S and started again."""
-    import threading
-
     from infra.bus import ensure_topics
 
     monkeypatch.setattr(sv, "HUNG_RESTART_S", 4.0)  # the rule under test; 120 s in production
@@ -315,30 +305,25 @@ def test_a_front_door_that_stops_answering_is_restarted(kafka, tiny_model, tmp_p
                              completions_port=free_port(), feedback_port=free_port(), auth="open")
     ensure_topics(settings)
     serve = next(c for c in sv.COMPONENTS if c.name == "serve")
-    out = io.StringIO()
-    sup = sv.Supervisor(settings, (serve,), out=out)
-    thread = threading.Thread(target=sup.run)
-    thread.start()
-    [door] = sup.children
     stopped = None
     try:
-        _wait(lambda: door.healthy and door.pid, 180, "the front door to be healthy",
-              explain=lambda: out.getvalue()[-3000:])
-        stopped = door.pid
-        os.kill(stopped, signal.SIGSTOP)
-        _wait(lambda: door.restarts == 1 and door.pid not in (None, stopped), 60, "the hung front door restarted",
-              explain=lambda: out.getvalue()[-3000:])
-        assert door.last_exit == -signal.SIGKILL and not pid_alive(stopped)
-        assert re.search(r"serve has been unhealthy for 4s \(no 200 from http://[\d.]+:\d+/readyz\); restarting it",
-                         out.getvalue()), out.getvalue()[-3000:]
-        _wait(lambda: door.healthy, 180, "the restarted front door to be healthy", explain=lambda: out.getvalue()[-3000:])
-        assert httpx.get(sup.probes.ready_url, timeout=10).status_code == 200
+        with supervising(settings, (serve,)) as (sup, out):
+            [door] = sup.children
+            _wait(lambda: door.healthy and door.pid, 180, "the front door to be healthy",
+                  explain=lambda: out.getvalue()[-3000:])
+            stopped = door.pid
+            os.kill(stopped, signal.SIGSTOP)
+            _wait(lambda: door.restarts == 1 and door.pid not in (None, stopped), 60, "the hung front door restarted",
+                  explain=lambda: out.getvalue()[-3000:])
+            assert door.last_exit == -signal.SIGKILL and not pid_alive(stopped)
+            assert re.search(r"serve has been unhealthy for 4s \(no 200 from http://[\d.]+:\d+/readyz\); restarting it",
+                             out.getvalue()), out.getvalue()[-3000:]
+            _wait(lambda: door.healthy, 180, "the restarted front door to be healthy",
+                  explain=lambda: out.getvalue()[-3000:])
+            assert httpx.get(sup.probes.ready_url, timeout=10).status_code == 200
     finally:
-        sup.stop()
-        thread.join(60)
         if stopped and pid_alive(stopped):
             os.kill(stopped, signal.SIGKILL)
-    assert not thread.is_alive()
 
 
 # -- the whole system, as `make up` runs it -------------------------------------------------------
