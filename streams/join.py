@@ -283,24 +283,18 @@ class EpisodeJoiner:
         if cid in self.open or cid in self.closed:
             self.counts["duplicate_completions"] += 1
             return []
-        if completion.get("gate_shown") is False:
-            # The show-gate hid it: the client got nothing, so no feedback can come. Its episode (of its own
-            # kind: gate_shown false, never trained as the model's choice to abstain) is made at once, so the
-            # history counts it and a learner can estimate a candidate gate on all the traffic it served.
+        # Episodes that need no decision, closed at once (feedback naming them anyway, early or late, is a
+        # duplicate of that decision): a completion the show-gate hid (the client got nothing, so no feedback
+        # can come; an episode of its own kind, gate_shown false, never trained as the model's choice to
+        # abstain, so the history counts it and a learner can estimate a candidate gate on all the traffic),
+        # and one that showed nothing.
+        at_once = ("gate_hidden" if completion.get("gate_shown") is False
+                   else "empty" if self.config.emit_empty and shows_nothing(completion) else None)
+        if at_once is not None:
             self.closed[cid] = millis(completion["served_at"])
-            self.counts["gate_hidden"] += 1
+            self.counts[at_once] += 1
             self.counts["episodes"] += 1
-            for fb in self.early.pop(cid, []):
-                self.counts["duplicate_feedback"] += 1
-            return [self.episode(completion, None)]
-        if self.config.emit_empty and shows_nothing(completion):
-            # Its episode needs no decision: it is closed at once, and feedback that names it anyway
-            # (early or late) is a duplicate of this decision.
-            self.closed[cid] = millis(completion["served_at"])
-            self.counts["empty"] += 1
-            self.counts["episodes"] += 1
-            for fb in self.early.pop(cid, []):
-                self.counts["duplicate_feedback"] += 1
+            self.counts["duplicate_feedback"] += len(self.early.pop(cid, []))
             return [self.episode(completion, None)]
         self.open[cid] = completion
         waiting = self.early.pop(cid, [])
