@@ -3,6 +3,8 @@ published, hot-loaded, logged on every completion and rolled back, without a res
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -96,6 +98,9 @@ def test_gate_versions_are_hot_loaded_logged_on_every_completion_and_rolled_back
         publish_and_wait(gate_event(2, project=project, threshold=0.0), "2")
         shown = ask(6)
         assert all(h == "2" for _, h, _ in shown)
+        # ...and the simulated users record the gate version the door says decided (bench loop's
+        # feedback → policy counts a trained gate by it).
+        served.extend(asyncio.run(simulated_streams(server, key, 4)))
         # ...and its rollback brings back the one before it.
         publish_and_wait(gate_event(2, "ROLLED_BACK", project=project), "1")
         publish_and_wait(gate_event(1, "ROLLED_BACK", project=project), None)
@@ -108,8 +113,10 @@ def test_gate_versions_are_hot_loaded_logged_on_every_completion_and_rolled_back
         for cid, header, text in served:
             e = events[cid]
             if e["gate_version"] is None:
-                # Not gated: no gate was served, or the line was empty (nothing to judge): shown as generated.
+                # Not gated: no gate was served, or the line was empty (nothing to judge): shown as generated,
+                # and the response names no gate.
                 assert e["gate_shown"] and e["show_probability"] == 1.0 and e["completion_text"] == text
+                assert header is None
                 continue
             assert header == str(e["gate_version"]) and 0 < e["gate_score"] < 1
             if e["gate_version"] == 1:
@@ -122,6 +129,23 @@ def test_gate_versions_are_hot_loaded_logged_on_every_completion_and_rolled_back
     finally:
         producer.close()
         server.stop()
+
+
+async def simulated_streams(server, key: str, n: int) -> list[tuple[str, str | None, str]]:
+    """``n`` completions streamed by the simulator's own client code, as (id, the gate version it recorded,
+    the text it read)."""
+    from trainer.proof.simulate import SimConfig, Simulation
+    from trainer.proof.tasks import FimTask
+
+    sim = Simulation([FimTask("t", "x = ", "\n", "1")],
+                     SimConfig(completions_url=server.completions_url, api_keys=(key,), temperature=0.7,
+                               max_tokens=5))
+    out = []
+    async with httpx.AsyncClient(timeout=60) as http:
+        for i in range(n):
+            got = await sim._stream(http, 0, f"y_{i} = compute(")
+            out.append((got.completion_id, None if got.gate_version is None else str(got.gate_version), got.text))
+    return out
 
 
 def _chunks(body: str) -> list[dict]:

@@ -3,10 +3,8 @@ on sampled draws), the figures' intervals, the served (weight, gate) pairs, the 
 
 from __future__ import annotations
 
-import asyncio
 import math
 
-import httpx
 import pytest
 
 from policy.show_gate import FEATURES, Gate
@@ -145,27 +143,6 @@ def test_sample_draws_logs_the_behaviour_logprobs_of_the_scored_tokens(tiny_mode
         assert torch.allclose(torch.tensor(d.line_logprobs), want, atol=1e-3), (d, want)
         compared += 1
     assert compared >= 2
-
-
-def test_the_simulator_records_the_gate_version_the_door_served():
-    from trainer.proof.simulate import SimConfig, Simulation
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        headers = {"x-tabloop-completion-id": "c1", "x-tabloop-policy-version": "3",
-                   "content-type": "text/event-stream"}
-        if b"gated" in request.content:
-            headers["x-tabloop-gate-version"] = "7"
-        body = 'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
-        return httpx.Response(200, headers=headers, content=body.encode())
-
-    async def stream(prompt: str):
-        sim = Simulation(_tasks(), SimConfig(requests=1, users=1))
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
-            return await sim._stream(http, 0, prompt)
-
-    gated, plain = asyncio.run(stream("gated")), asyncio.run(stream("plain"))
-    assert (gated.policy_version, gated.gate_version, gated.text) == (3, 7, "x")
-    assert (plain.policy_version, plain.gate_version) == (3, None)
 
 
 def test_feedback_to_policy_counts_a_trained_gate():
