@@ -519,7 +519,7 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) ->
                            "`tabloop status` shows this one); set TABLOOP_COMPLETIONS_PORT / TABLOOP_FEEDBACK_PORT")
     _ensure_kafka(ctx)
     ctx.invoke(topics_create)
-    from trainer.named_models import NAMED_MODELS
+    from policy.named_models import NAMED_MODELS
 
     if s.model in NAMED_MODELS:
         from transformers.utils import logging as hf_logging

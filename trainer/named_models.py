@@ -5,9 +5,7 @@ trainer resolve ``TABLOOP_MODEL`` through here; the front door and the streams w
 
 from __future__ import annotations
 
-from policy.named_models import NAMED_MODELS, named_model_dir, resolve_model_spec
-
-__all__ = ["NAMED_MODELS", "build_named_model"]
+from policy.named_models import named_model_dir, resolve_model_spec
 
 
 def build_named_model(settings) -> str:
