@@ -224,8 +224,9 @@ class CompletionRun:
 
     def _decide(self, held: str) -> bool:
         """The show-gate's decision on the first line of ``held`` (all generated so far, nothing sent yet):
-        True to send it. The line's figures are those the join's episode will carry: its text and its
-        tokens' logprobs up to the one that ended it (``policy.show_gate.first_line_features``). An empty
+        True to send it. The line's figures are those its episode will carry: its text and its tokens'
+        logprobs up to the one that ended it, cut as the event cuts them (``kept_token_count``), which is
+        what ``policy.show_gate.first_line_features`` recomputes from the episode. An empty
         first line is not gated: single-line mode shows nothing anyway, and a multi-line suggestion that
         starts on the next line has no line to judge yet."""
         line = first_line(held)
@@ -274,8 +275,9 @@ class CompletionRun:
                         piece, piece_steps = pending[:ready], steps
                         pending, steps = pending[ready:], []
                         if deciding:
-                            held, held_steps = held + piece, held_steps + piece_steps
-                            if "\n" not in held:
+                            held += piece
+                            held_steps.extend(piece_steps)
+                            if "\n" not in piece:  # the first line goes on: nothing is sent yet
                                 continue
                             deciding = False
                             if not self._decide(held):
