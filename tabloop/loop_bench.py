@@ -186,6 +186,13 @@ def versions_to_evaluate(published: Sequence[int], max_evals: int | None) -> lis
     return sorted({every[round(i * step)] for i in range(max_evals)})
 
 
+def versions_served(published: Iterable[int], pairs: dict[int, list[int]]) -> list[int]:
+    """The published versions that served users, in order (``pairs``: ``served_pairs``). One published after
+    the users stopped served nobody: evaluating it as "the last version" would not measure what users were
+    served, and would leave out the gate that served last."""
+    return sorted(v for v in published if v in pairs)
+
+
 def feedback_to_policy_s(records: Iterable[dict]) -> float | None:
     """Seconds from the first feedback sent to the end of the first completion served by a policy version ≥ 1
     or a gate version ≥ 1, both trained on feedback (records as ``trainer.proof.simulate.RequestRecord``
@@ -604,7 +611,7 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
                             max_prompt_tokens=settings.max_prompt_tokens, seed=config.seed)
 
     entries, rows_all, reference, served_by_entry = [], [], {}, []
-    for version in versions_to_evaluate(sorted(published), config.max_evals):
+    for version in versions_to_evaluate(versions_served(published, pairs), config.max_evals):
         t0 = time.monotonic()
         model, tokenizer, _ = load_policy(settings, str(version), model_spec=model_spec)
         if version == 0:

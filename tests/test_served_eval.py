@@ -158,6 +158,16 @@ def test_feedback_to_policy_counts_a_trained_gate():
     assert feedback_to_policy_s([records[0], records[2]]) == 29.0
 
 
+def test_only_versions_that_served_users_are_evaluated():
+    """The SmolLM2 run of 2026-12-02 published version 50 after its users stopped: its 'last' entry was v50
+    without a gate, while users had last been served v49 with gate 82."""
+    from tabloop.loop_bench import versions_served, versions_to_evaluate
+
+    pairs = {0: [1, 2], 25: [13], 49: [82]}
+    assert versions_served({v: 0.0 for v in range(1, 51)}, pairs) == [25, 49]
+    assert versions_to_evaluate(versions_served(range(1, 51), pairs), 3) == [0, 25, 49]
+
+
 def test_served_pairs_and_the_gate_each_served_version_was_decided_by():
     from tabloop.loop_bench import gates_by_version, served_pairs
 
