@@ -13,9 +13,10 @@ episode by 1 / show probability (inverse propensity), which makes sums over show
 over all traffic (``tests/test_show_gate.py`` checks that on a simulated bandit whose truth is known).
 
 The threshold is chosen not to over-abstain (``choose_threshold``): the highest one that keeps at least
-``keep`` of the accepted characters the log says always-show would get. Maximising the reward alone
-(+0.75 accepted, −0.25 rejected, 0 hidden) hides most suggestions of a model accepted 25 % of the time and
-loses a third or more of what users would have accepted (measured, issue 28).
+``keep`` of the accepted characters always-show would get, counted as users accepted them or as the model
+expects them (``KEPT_BY``). Maximising the reward alone (+0.75 accepted, −0.25 rejected, 0 hidden) hides most suggestions
+of a model accepted 25 % of the time and loses a third or more of what users would have accepted (measured,
+issue 28).
 
 The features are computed from the shown line's text and its tokens' behaviour log-probabilities, both on
 ``CompletionServed`` and on ``Episode`` (cut to the shown line plus the token that ended it), so a replay
@@ -185,8 +186,8 @@ def choose_threshold(scores: Sequence[float], accepted_chars: Sequence[float], w
     """The highest threshold that keeps at least ``keep`` of the accepted characters always-show would get.
 
     ``scores``: each decided line's (cross-fitted) score; ``accepted_chars``: how many of its characters the
-    user kept (0 when rejected); ``weights``: 1 / the probability it had of being shown, so the sums stand
-    for all lines served. Lines at or above the threshold are shown. Raising the threshold hides the lines
+    user kept (0 when rejected), or as ``kept_gains`` counts them; ``weights``: 1 / the probability it had of
+    being shown, so the sums stand for all lines served. Lines at or above the threshold are shown. Raising the threshold hides the lines
     scored lowest first; it stops before the kept share falls under ``keep``. 0.0 (show all) when nothing
     was accepted.
 
@@ -218,11 +219,29 @@ class Decided:
     accepted_chars: float
     """Characters the user kept: the line's length when accepted, the partial count, 0 when rejected."""
     show_probability: float = 1.0
+    line_chars: float | None = None
+    """The shown line's characters, accepted or not: what the expected-characters rule weighs a line's score
+    by (``KEPT_BY``). None where not known: only the realised rule can then be used."""
+
+
+KEPT_BY = ("expected", "realised")
+"""How the threshold rule counts the accepted characters a threshold keeps (``FitConfig.kept_by``):
+
+* ``realised``: the characters users actually accepted, each line weighed by 1 / its show probability. Exact
+  on a large log, but one accepted line among the lowest-scored stops the threshold, and a line shown by
+  exploration (ε = 0.1) counts ten times: as the log grows, the rare accepted low-scored line arrives and the
+  chosen threshold falls (the SmolLM2 loop of 2026-12-02: 0.023 on 50 lines, 0.010 later).
+* ``expected``: each line's (cross-fitted) acceptance probability × its characters — what the logistic model
+  expects it to keep. Smooth in the threshold, no single line decides it, and a calibrated model keeps the
+  promised share on average.
+"""
 
 
 @dataclass(frozen=True)
 class FitConfig:
     keep: float = 0.99
+    kept_by: str = "realised"
+    """``KEPT_BY``: how the kept characters are counted, for the threshold and for promotion."""
     exploration: float = 0.1
     l2: float = 1.0
     min_decided: int = 50
@@ -239,6 +258,18 @@ class Fit:
     those an off-policy estimate of the gate must use."""
 
 
+def kept_gains(decided: Sequence[Decided], scores: Sequence[float], kept_by: str) -> list[float]:
+    """Each line's accepted characters as ``kept_by`` counts them (``KEPT_BY``): realised, or its score × its
+    characters. The expected rule needs every line's ``line_chars``."""
+    if kept_by == "realised":
+        return [d.accepted_chars for d in decided]
+    if kept_by != "expected":
+        raise ValueError(f"kept_by must be one of {', '.join(KEPT_BY)}, got {kept_by!r}")
+    if any(d.line_chars is None for d in decided):
+        raise ValueError("the expected-characters rule needs each decided line's line_chars")
+    return [float(s) * d.line_chars for d, s in zip(decided, scores)]
+
+
 def fit_gate(decided: Sequence[Decided], config: FitConfig = FitConfig(), *, version: int = 0,
              project_id: str = "", policy_version: int = 0) -> Fit | None:
     """A gate fit on decided lines, its threshold chosen on cross-fitted scores; None when there are too
@@ -251,7 +282,7 @@ def fit_gate(decided: Sequence[Decided], config: FitConfig = FitConfig(), *, ver
     w = np.array([1.0 / max(d.show_probability, 1e-6) for d in decided])
     coef, intercept, mean, scale = fit_logistic(X, y, w, l2=config.l2)
     scores = cross_fitted_scores(X, y, w, folds=config.folds, l2=config.l2)
-    threshold = choose_threshold(scores, [d.accepted_chars for d in decided], w, keep=config.keep)
+    threshold = choose_threshold(scores, kept_gains(decided, scores, config.kept_by), w, keep=config.keep)
     gate = Gate(coef=tuple(float(c) for c in coef), intercept=intercept, mean=tuple(float(m) for m in mean),
                 scale=tuple(float(s) for s in scale), threshold=threshold, exploration=config.exploration,
                 version=version, project_id=project_id, policy_version=policy_version)

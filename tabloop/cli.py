@@ -727,6 +727,53 @@ def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per
     _emit({k: result[k] for k in ("bench", "model", "train_tasks", "heldout_tasks", "comparison", "wall_s")})
 
 
+@bench.command("gate-replay")
+@click.option("--model", default=None, help="demo, smollm2, a model directory or a hub id (default: TABLOOP_MODEL).")
+@click.option("--traffic", type=click.IntRange(min=1), default=800, show_default=True,
+              help="Train tasks whose draws arrive as the users' traffic the learner fits on.")
+@click.option("--judging", type=click.IntRange(min=1), default=400, show_default=True,
+              help="Other train tasks the promoted gates are judged on.")
+@click.option("--draws", type=click.IntRange(min=1), default=2, show_default=True, help="Draws per judging task.")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=0.7, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--rule", type=click.Choice(["exact", "similarity"]), default="similarity", show_default=True)
+@click.option("--threshold", type=click.FloatRange(0, 1), default=0.5, show_default=True)
+@click.option("--keep", "keeps", type=(click.Choice(["expected", "realised"]), click.FloatRange(0, 1, min_open=True)),
+              multiple=True, help="A threshold rule to replay, e.g. --keep expected 0.99 (repeatable; default: "
+              "expected 0.99 and realised 0.99).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-gate-replay", show_default=True)
+@click.pass_context
+def bench_gate_replay(ctx: click.Context, model: str | None, traffic: int, judging: int, draws: int,
+                      temperature: float, max_tokens: int, rule: str, threshold: float,
+                      keeps: tuple[tuple[str, float], ...], seed: int, out_dir: str) -> None:
+    """The show-gate's learner replayed on draws of train tasks under each threshold rule, its promoted gates
+    judged on other train tasks (trainer/proof/gate_replay.py): where the gate's rule is chosen."""
+    from pathlib import Path
+
+    from tabloop.bench import _emit
+    from tabloop.loop_bench import resolve_model
+    from policy.models import use_torch_threads
+    from trainer.named_models import build_named_model
+    from trainer.proof.gate_replay import RULES, run_gate_replay, write_result
+
+    settings = _settings(ctx)
+    use_torch_threads(settings.torch_threads)
+    model_spec = resolve_model(settings, model) if model else build_named_model(settings)
+    try:
+        result = run_gate_replay(model_spec, traffic=traffic, judging=judging, draws=draws,
+                                 temperature=temperature, max_tokens=max_tokens,
+                                 max_prompt_tokens=settings.max_prompt_tokens, rule=rule, threshold=threshold,
+                                 rules=keeps or RULES, seed=seed, say=lambda m: click.echo(m, err=True))
+    except ValueError as exc:
+        raise TabloopError(str(exc)) from None
+    write_result(result, Path(out_dir))
+    _emit({"bench": "gate-replay", "always_show": result["always_show"],
+           "rules": [{k: r[k] for k in ("kept_by", "keep", "fits", "promoted")}
+                     | {"last": r["gates"][-1] if r["gates"] else None} for r in result["rules"]],
+           "wall_s": result["wall_s"]})
+
+
 # -- continue: the IDE's config (infra/local.py) ----------------------------------------------------
 
 @main.group("continue")

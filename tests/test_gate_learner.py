@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -17,7 +18,7 @@ from streams.rewards import RewardSpec, RewardSpecs
 from tests.conftest import make_settings
 from trainer.episodes import drop_reason
 from trainer.show_gate import (GateLearner, decided_from_episode, estimate_show_rule, evaluate_candidate,
-                               promotion, restated, weighted_auc)
+                               expected_keep, promotion, restated, weighted_auc)
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
@@ -54,7 +55,7 @@ def synthetic(n: int, *, seed: int = 0, project: str = "acme", start: int = 0, a
 def test_decided_from_episode_by_hand():
     d = decided_from_episode(episode(1, text="  return x  ", show_probability=0.1))
     assert d == Decided(features=tuple(line_features("  return x  ", [-0.5, -1.0, -0.1])), accepted=True,
-                        accepted_chars=8.0, show_probability=0.1)
+                        accepted_chars=8.0, show_probability=0.1, line_chars=8.0)
     rejected = decided_from_episode(episode(2, outcome="REJECTED"))
     assert (rejected.accepted, rejected.accepted_chars, rejected.show_probability) == (False, 0.0, 1.0)
     # PARTIAL: accepted, with the share of the line kept read back from the acceptance reward: 0.15 is 40 % of
@@ -139,6 +140,17 @@ def test_evaluate_candidate_and_promotion_by_hand():
     worse = {**m, "gate_accept_rate_shown": 0.4}
     status, reason = promotion(worse, keep=0.99, serving_version=3)
     assert status == "ROLLED_BACK" and "gate v3's 0.500" in reason
+
+
+def test_promotion_counts_the_kept_characters_as_the_fit_did():
+    """Expected gains (score × line characters × weight): 0.9·10, 0.6·6, 2·0.2·4, 2·0.1·8 = 9, 3.6, 1.6, 1.6
+    of 15.8; threshold 0.5 keeps 12.6 of them. Realised, the same threshold keeps 10 of 18."""
+    lines = [replace(d, line_chars=c) for d, c in zip(LINES, (10.0, 6.0, 4.0, 8.0))]
+    assert expected_keep(lines, SCORES, 0.5) == pytest.approx(12.6 / 15.8)
+    m = {**evaluate_candidate(lines, SCORES, 0.5), "keep_chars_expected": expected_keep(lines, SCORES, 0.5)}
+    assert promotion(m, keep=0.75, serving_version=None, kept_by="expected")[0] == "PROMOTED"
+    status, reason = promotion(m, keep=0.75, serving_version=None, kept_by="realised")
+    assert status == "ROLLED_BACK" and "0.556" in reason
 
 
 def test_weighted_auc_by_hand():

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from policy.show_gate import (FEATURES, Decided, FitConfig, Gate, choose_threshold, cross_fitted_scores,
-                              fit_gate, fit_logistic, line_features, sigmoid)
+from policy.show_gate import (FEATURES, KEPT_BY, Decided, FitConfig, Gate, choose_threshold, cross_fitted_scores,
+                              fit_gate, fit_logistic, kept_gains, line_features, sigmoid)
 
 
 def test_line_features_by_hand():
@@ -53,6 +53,25 @@ def test_choose_threshold_keeps_the_accepted_characters_by_hand():
     # holds 10 % of the characters, so both stay shown.
     assert choose_threshold([0.1, 0.1, 0.5], [0, 1, 9], [1, 1, 1], keep=0.95) == 0.0
     assert choose_threshold([0.1, 0.1, 0.5], [0, 1, 9], [1, 1, 1], keep=0.9) == 0.5
+
+
+def test_one_explored_acceptance_stops_the_realised_rule_not_the_expected_one():
+    """Lines scored 0.01, 0.02, 0.5, 0.6, 10 characters each; the first, accepted, was shown by exploration
+    (p = 0.1: it stands for 10 lines). Realised, it holds 100 of the 120 accepted characters, so nothing can
+    be hidden at keep 0.9. Expected (score × characters × weight: 1, 0.2, 5, 6 of 12.2), hiding the two
+    lowest loses 1.2 / 12.2 = 9.8 %: the threshold is 0.5."""
+    scores = [0.01, 0.02, 0.5, 0.6]
+    decided = [Decided((0.0,) * 7, True, 10.0, 0.1, 10.0), Decided((0.0,) * 7, False, 0.0, 1.0, 10.0),
+               Decided((0.0,) * 7, True, 10.0, 1.0, 10.0), Decided((0.0,) * 7, True, 10.0, 1.0, 10.0)]
+    w = [1 / d.show_probability for d in decided]
+    assert kept_gains(decided, scores, "realised") == [10.0, 0.0, 10.0, 10.0]
+    assert kept_gains(decided, scores, "expected") == pytest.approx([0.1, 0.2, 5.0, 6.0])
+    assert choose_threshold(scores, kept_gains(decided, scores, "realised"), w, keep=0.9) == 0.0
+    assert choose_threshold(scores, kept_gains(decided, scores, "expected"), w, keep=0.9) == 0.5
+    with pytest.raises(ValueError, match="line_chars"):
+        kept_gains([Decided((0.0,) * 7, False, 0.0)], [0.5], "expected")
+    with pytest.raises(ValueError, match="kept_by must be one of"):
+        kept_gains(decided, scores, "both")
 
 
 def test_gate_decides_by_its_threshold_and_explores_below_it():
@@ -104,9 +123,11 @@ def test_inverse_propensity_weights_make_the_logged_sums_unbiased_on_a_simulated
     assert np.mean(unweighted) / np.mean(truth) < 0.9
 
 
-def test_fit_gate_learns_from_gated_traffic_and_keeps_the_accepted_characters():
+@pytest.mark.parametrize("kept_by", KEPT_BY)
+def test_fit_gate_learns_from_gated_traffic_and_keeps_the_accepted_characters(kept_by):
     """Fit on a log the exploring gate above produced, the new gate's threshold keeps ≥ 99 % of accepted
-    characters (within noise) on fresh always-shown traffic and hides a good share of the rejected lines."""
+    characters (within noise) on fresh always-shown traffic and hides a good share of the rejected lines,
+    whichever way the kept characters are counted."""
     rng = np.random.default_rng(7)
     X, p_true, chars = simulated_traffic(rng, 3000)
     accepted = rng.random(3000) < p_true
@@ -114,9 +135,9 @@ def test_fit_gate_learns_from_gated_traffic_and_keeps_the_accepted_characters():
                         threshold=0.3, exploration=0.1)
     probs = np.array([logging_gate.show_probability(logging_gate.score(x)) for x in X])
     shown = rng.random(3000) < probs
-    decided = [Decided(tuple(x), bool(a), float(c if a else 0), float(p))
+    decided = [Decided(tuple(x), bool(a), float(c if a else 0), float(p), float(c))
                for x, a, c, p, s in zip(X, accepted, chars, probs, shown) if s]
-    fit = fit_gate(decided, FitConfig(keep=0.99), version=1)
+    fit = fit_gate(decided, FitConfig(keep=0.99, kept_by=kept_by), version=1)
     assert fit is not None and fit.gate.threshold > 0
     gate = fit.gate
     X2, p2, chars2 = simulated_traffic(np.random.default_rng(8), 20000)

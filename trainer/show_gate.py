@@ -44,8 +44,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from policy.show_gate import (Decided, FitConfig, Gate, first_line_features, fit_gate, latest_statuses,
-                               serving_gate_record)
+from policy.show_gate import (Decided, Fit, FitConfig, Gate, first_line_features, fit_gate, kept_gains,
+                               latest_statuses, serving_gate_record)
 from schemas.events import Event, new_event
 from streams.rewards import RewardSpec, RewardSpecs
 from trainer.ope import effective_sample_size, ratio_estimate
@@ -95,7 +95,7 @@ def decided_from_episode(record: dict, specs: RewardSpecs | None = None) -> Deci
     p = record.get("show_probability")
     return Decided(features=features,
                    accepted=outcome != "REJECTED", accepted_chars=accepted_chars,
-                   show_probability=1.0 if p is None else float(p))
+                   show_probability=1.0 if p is None else float(p), line_chars=chars)
 
 
 def hidden_features(record: dict) -> tuple[float, ...] | None:
@@ -166,10 +166,48 @@ def evaluate_candidate(decided: Sequence[Decided], candidate_scores: Sequence[fl
     return out
 
 
-def promotion(metrics: dict[str, float], *, keep: float, serving_version: int | None) -> tuple[str, str]:
-    """(status, reason): PROMOTED when the candidate keeps ≥ ``keep`` of always-show's accepted characters and
+def expected_keep(decided: Sequence[Decided], scores: Sequence[float], threshold: float) -> float | None:
+    """The share of the expected accepted characters (score × line characters, each line weighed by 1 / its
+    show probability) the lines scored at or above ``threshold`` hold; None when there are none to keep."""
+    w = [1.0 / max(d.show_probability, 1e-6) for d in decided]
+    gains = [x * g for x, g in zip(w, kept_gains(decided, scores, "expected"))]
+    total = sum(gains)
+    if total <= 0:
+        return None
+    return sum(g for g, s in zip(gains, scores) if s >= threshold) / total
+
+
+def judge_candidate(decided: Sequence[Decided], fit: Fit, config: FitConfig, *, serving: Gate | None,
+                    serving_version: int | None, hidden: Sequence[Sequence[float]] = ()
+                    ) -> tuple[dict[str, float], str, str]:
+    """(metrics, status, reason) of a fit candidate: its off-policy figures beside always-show and the serving
+    gate (``evaluate_candidate`` on the cross-fitted scores), its AUCs, and the promotion decision with the kept
+    characters counted as the fit counted them (``config.kept_by``)."""
+    gate, crossed = fit.gate, list(fit.cross_fitted)
+    y = [d.accepted for d in decided]
+    w = [1.0 / max(d.show_probability, 1e-6) for d in decided]
+    metrics = evaluate_candidate(decided, crossed, gate.threshold, serving=serving,
+                                 hidden_scores=[gate.score(f) for f in hidden])
+    for name, scores in (("auc_in_sample", [gate.score(d.features) for d in decided]), ("auc_cross_fitted", crossed)):
+        auc = weighted_auc(scores, y, w)
+        if auc is not None:
+            metrics[name] = auc
+    if config.kept_by == "expected":
+        kept = expected_keep(decided, crossed, gate.threshold)
+        if kept is not None:
+            metrics["keep_chars_expected"] = kept
+    metrics["episodes_used"] = float(len(decided))
+    status, reason = promotion(metrics, keep=config.keep, serving_version=serving_version,
+                               kept_by=config.kept_by)
+    return metrics, status, reason
+
+
+def promotion(metrics: dict[str, float], *, keep: float, serving_version: int | None,
+              kept_by: str = "realised") -> tuple[str, str]:
+    """(status, reason): PROMOTED when the candidate keeps ≥ ``keep`` of always-show's accepted characters
+    (``keep_chars``, or ``keep_chars_expected`` when ``kept_by`` is expected: ``policy.show_gate.KEPT_BY``) and
     its accept rate among shown is not below the serving gate's (always-show's with none); else ROLLED_BACK."""
-    kept = metrics.get("keep_chars")
+    kept = metrics.get("keep_chars_expected" if kept_by == "expected" else "keep_chars")
     if kept is None:
         return "ROLLED_BACK", "no accepted characters in the log to keep"
     if kept < keep - 1e-12:
@@ -262,8 +300,8 @@ class GateLearner:
         self.settings = settings
         self.base_model = base_model
         self.specs = specs or RewardSpecs.from_settings(settings)
-        self.config = FitConfig(keep=settings.gate_keep_chars, exploration=settings.gate_exploration,
-                                min_decided=settings.gate_min_decided)
+        self.config = FitConfig(keep=settings.gate_keep_chars, kept_by=settings.gate_kept_by,
+                                exploration=settings.gate_exploration, min_decided=settings.gate_min_decided)
         self.windows: dict[str, Window] = {}
         self.gate_records: list[dict] = []
         self._gate_ids: set[str] = set()
@@ -368,20 +406,11 @@ class GateLearner:
         window.fitted_policy = policy
         if fit is None:
             return None
-        gate, crossed = fit.gate, fit.cross_fitted
-        y = [d.accepted for d in decided]
-        w = [1.0 / max(d.show_probability, 1e-6) for d in decided]
-        in_sample = [gate.score(d.features) for d in decided]
+        gate = fit.gate
         serving, serving_version = self.serving_gate(project)
-        metrics = evaluate_candidate(decided, list(crossed), gate.threshold, serving=serving,
-                                     hidden_scores=[gate.score(f) for f in window.hidden])
-        for name, scores in (("auc_in_sample", in_sample), ("auc_cross_fitted", crossed)):
-            auc = weighted_auc(scores, y, w)
-            if auc is not None:
-                metrics[name] = auc
-        metrics["episodes_used"] = float(len(decided))
-        status, reason = promotion(metrics, keep=self.config.keep,
-                                   serving_version=serving_version if serving is not None else None)
+        metrics, status, reason = judge_candidate(
+            decided, fit, self.config, serving=serving,
+            serving_version=serving_version if serving is not None else None, hidden=window.hidden)
         if serving is not None and serving_version is None:
             reason += " (compared with the shared gate)"
         event = gate_event(gate, status=status, reason=reason, parent_version=serving_version,
