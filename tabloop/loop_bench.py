@@ -540,7 +540,8 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
         o["reward_mean"] = online_rewards.get(o["version"])
     result = {
         "bench": "loop", "model": model_spec, "model_label": Path(model_spec).name or model_spec,
-        "minutes": config.minutes, "users": config.users, "rule": config.rule, "train_tasks": len(train),
+        "minutes": config.minutes, "users": config.users, "rule": config.rule if config.team is None else "team",
+        "user_threshold": config.threshold, "train_tasks": len(train),
         "team": config.team, "heldout_tasks": len(heldout), "draws": config.draws,
         "eval_temperature": temperature, "interval_level": LEVEL, "versions": versions, "reference": reference,
         "served_pairs": {str(v): g for v, g in pairs.items()}, "feedback_to_policy_s": to_policy,

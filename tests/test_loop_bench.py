@@ -121,6 +121,7 @@ def test_bench_loop_team_runs_one_teams_users_with_lora_updates_and_no_gate(tiny
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["team"] == "single" and result["trainer"]["show_gate"] is False
+    assert (result["rule"], result["user_threshold"]) == ("team", 0.3)  # TeamUsers decide, not the stdlib rule
     assert result["trainer"]["lora_rank"] >= 1 and result["heldout_tasks"] == 6
     versions = result["versions"]
     assert len(versions) >= 2 and all(v["gate_version"] is None and v["n"] == 12 for v in versions), versions
