@@ -769,7 +769,7 @@ def bench_gate_replay(ctx: click.Context, model: str | None, traffic: int, judgi
         raise TabloopError(str(exc)) from None
     write_result(result, Path(out_dir))
     _emit({"bench": "gate-replay", "always_show": result["always_show"],
-           "rules": [{k: r[k] for k in ("kept_by", "keep", "fits", "promoted")}
+           "rules": [{k: r[k] for k in ("kept_by", "keep", "promoted")} | {"fits": len(r["fits"])}
                      | {"last": r["gates"][-1] if r["gates"] else None} for r in result["rules"]],
            "wall_s": result["wall_s"]})
 

@@ -135,19 +135,35 @@ def test_evaluate_candidate_and_promotion_by_hand():
     # A serving gate that accepts more among what it shows than the candidate: the candidate waits.
     serving = Gate(coef=(0.0,) * 7, intercept=0.0, mean=(0.0,) * 7, scale=(1.0,) * 7, threshold=0.5)  # shows all
     m = evaluate_candidate(LINES, SCORES, 0.15, serving=serving)
-    assert m["serving_accept_rate_shown"] == pytest.approx(0.5)
+    assert m["serving_accept_rate_shown"] == pytest.approx(0.5) and m["serving_keep_chars"] == pytest.approx(1.0)
     assert promotion(m, keep=0.99, serving_version=3)[0] == "PROMOTED"
     worse = {**m, "gate_accept_rate_shown": 0.4}
     status, reason = promotion(worse, keep=0.99, serving_version=3)
     assert status == "ROLLED_BACK" and "gate v3's 0.500" in reason
 
 
+@pytest.mark.parametrize("kept_by", ["realised", "expected"])
+def test_a_serving_gate_that_hides_too_much_is_no_bar_to_one_that_keeps_enough(kept_by):
+    """A first gate fit on 50 lines can hide far more than it believed: judged on the log as it now is, it
+    keeps 60 % of the accepted characters. A candidate keeping 99.5 % replaces it though its accept rate among
+    shown is lower (it shows more); when the serving gate keeps enough, the lower accept rate still bars it."""
+    key = "keep_chars_expected" if kept_by == "expected" else "keep_chars"
+    m = {key: 0.995, "gate_accept_rate_shown": 0.30, "serving_accept_rate_shown": 0.45, f"serving_{key}": 0.6}
+    status, reason = promotion(m, keep=0.99, serving_version=3, kept_by=kept_by)
+    assert status == "PROMOTED" and "gate v3 keeps only 0.600" in reason
+    status, reason = promotion({**m, f"serving_{key}": 0.995}, keep=0.99, serving_version=3, kept_by=kept_by)
+    assert status == "ROLLED_BACK" and "0.300 < gate v3's 0.450" in reason
+    # Served the shared gate (no version of the project's own): said so, not "gate vNone".
+    assert "the shared gate keeps only" in promotion(m, keep=0.99, serving_version=None, kept_by=kept_by)[1]
+
+
 def test_promotion_counts_the_kept_characters_as_the_fit_did():
     """Expected gains (score × line characters × weight): 0.9·10, 0.6·6, 2·0.2·4, 2·0.1·8 = 9, 3.6, 1.6, 1.6
     of 15.8; threshold 0.5 keeps 12.6 of them. Realised, the same threshold keeps 10 of 18."""
     lines = [replace(d, line_chars=c) for d, c in zip(LINES, (10.0, 6.0, 4.0, 8.0))]
-    assert expected_keep(lines, SCORES, 0.5) == pytest.approx(12.6 / 15.8)
-    m = {**evaluate_candidate(lines, SCORES, 0.5), "keep_chars_expected": expected_keep(lines, SCORES, 0.5)}
+    shows = [s >= 0.5 for s in SCORES]
+    assert expected_keep(lines, SCORES, shows) == pytest.approx(12.6 / 15.8)
+    m = {**evaluate_candidate(lines, SCORES, 0.5), "keep_chars_expected": expected_keep(lines, SCORES, shows)}
     assert promotion(m, keep=0.75, serving_version=None, kept_by="expected")[0] == "PROMOTED"
     status, reason = promotion(m, keep=0.75, serving_version=None, kept_by="realised")
     assert status == "ROLLED_BACK" and "0.556" in reason

@@ -161,20 +161,22 @@ def evaluate_candidate(decided: Sequence[Decided], candidate_scores: Sequence[fl
                                       level=level, prefix="serving_"))
     if out.get("always_accepted_chars", 0.0) > 0:
         out["keep_chars"] = out.get("gate_accepted_chars", 0.0) / out["always_accepted_chars"]
+        if serving is not None:
+            out["serving_keep_chars"] = out.get("serving_accepted_chars", 0.0) / out["always_accepted_chars"]
     if len(hidden_scores):
         out["hidden_would_show"] = sum(s >= threshold for s in hidden_scores) / len(hidden_scores)
     return out
 
 
-def expected_keep(decided: Sequence[Decided], scores: Sequence[float], threshold: float) -> float | None:
-    """The share of the expected accepted characters (score × line characters, each line weighed by 1 / its
-    show probability) the lines scored at or above ``threshold`` hold; None when there are none to keep."""
+def expected_keep(decided: Sequence[Decided], scores: Sequence[float], shows: Sequence[bool]) -> float | None:
+    """The share of the expected accepted characters (``scores`` × line characters, each line weighed by 1 / its
+    show probability) held by the lines a rule ``shows``; None when there are none to keep."""
     w = [1.0 / max(d.show_probability, 1e-6) for d in decided]
     gains = [x * g for x, g in zip(w, kept_gains(decided, scores, "expected"))]
     total = sum(gains)
     if total <= 0:
         return None
-    return sum(g for g, s in zip(gains, scores) if s >= threshold) / total
+    return sum(g for g, shown in zip(gains, shows) if shown) / total
 
 
 def judge_candidate(decided: Sequence[Decided], fit: Fit, config: FitConfig, *, serving: Gate | None,
@@ -192,10 +194,13 @@ def judge_candidate(decided: Sequence[Decided], fit: Fit, config: FitConfig, *, 
         auc = weighted_auc(scores, y, w)
         if auc is not None:
             metrics[name] = auc
-    if config.kept_by == "expected":
-        kept = expected_keep(decided, crossed, gate.threshold)
-        if kept is not None:
-            metrics["keep_chars_expected"] = kept
+    if config.kept_by == "expected":  # the candidate's cross-fitted scores are the probabilities, for both rules
+        for prefix, shows in (("", [s >= gate.threshold for s in crossed]),
+                              ("serving_", [serving.score(d.features) >= serving.threshold for d in decided]
+                               if serving is not None else None)):
+            kept = None if shows is None else expected_keep(decided, crossed, shows)
+            if kept is not None:
+                metrics[f"{prefix}keep_chars_expected"] = kept
     metrics["episodes_used"] = float(len(decided))
     status, reason = promotion(metrics, keep=config.keep, serving_version=serving_version,
                                kept_by=config.kept_by)
@@ -206,14 +211,26 @@ def promotion(metrics: dict[str, float], *, keep: float, serving_version: int | 
               kept_by: str = "realised") -> tuple[str, str]:
     """(status, reason): PROMOTED when the candidate keeps ≥ ``keep`` of always-show's accepted characters
     (``keep_chars``, or ``keep_chars_expected`` when ``kept_by`` is expected: ``policy.show_gate.KEPT_BY``) and
-    its accept rate among shown is not below the serving gate's (always-show's with none); else ROLLED_BACK."""
-    kept = metrics.get("keep_chars_expected" if kept_by == "expected" else "keep_chars")
+    its accept rate among shown is not below the serving gate's (always-show's with none); else ROLLED_BACK.
+
+    A serving gate that itself no longer keeps ``keep`` on the log as it now is (``serving_keep_chars``…; a
+    gate fit on the first 50 lines may hide far more than its fit believed) is no bar: any candidate that keeps
+    enough replaces it, though it shows more and so accepts a smaller share of what it shows. Without this an
+    over-hiding first gate would stay for good, every candidate that corrects it rolled back for its lower
+    accept rate."""
+    key = "keep_chars_expected" if kept_by == "expected" else "keep_chars"
+    kept = metrics.get(key)
     if kept is None:
         return "ROLLED_BACK", "no accepted characters in the log to keep"
     if kept < keep - 1e-12:
         return "ROLLED_BACK", f"keeps {kept:.3f} of always-show's accepted characters, {keep:.3f} needed"
     reference = "serving" if "serving_accept_rate_shown" in metrics else "always"
-    label = f"gate v{serving_version}" if reference == "serving" else "always-show"
+    label = ("always-show" if reference == "always"
+             else f"gate v{serving_version}" if serving_version is not None else "the shared gate")
+    serving_kept = metrics.get(f"serving_{key}")
+    if serving_kept is not None and serving_kept < keep - 1e-12:
+        return "PROMOTED", (f"keeps {kept:.3f} of the accepted characters; {label} keeps only "
+                            f"{serving_kept:.3f} on the log as it now is")
     mine, theirs = metrics.get("gate_accept_rate_shown"), metrics.get(f"{reference}_accept_rate_shown")
     if mine is None:
         return "ROLLED_BACK", "shows none of the logged lines"

@@ -157,8 +157,9 @@ def run_gate_replay(model_spec: str, *, traffic: int, judging: int, draws: int =
             say(f"gate replay: {kept_by} {keep}: v{f['version']} after {f['at']} lines, threshold "
                 f"{f['threshold']:.3f}: accept {s['accept_rate_shown']} shown {s['shown_share']} "
                 f"chars {s['accepted_chars_per_request']} ({judged[-1]['relative']})")
-        result["rules"].append({"kept_by": kept_by, "keep": keep, "fits": len(fits),
-                                "promoted": len(judged), "gates": judged})
+        result["rules"].append({"kept_by": kept_by, "keep": keep, "promoted": len(judged), "gates": judged,
+                                "fits": [{k: f[k] for k in ("at", "decided", "version", "threshold", "status",
+                                                            "reason")} for f in fits]})
     result["wall_s"] = round(time.monotonic() - started, 1)
     return result
 
