@@ -170,10 +170,10 @@ class Settings(BaseModel):
                             "feedback. false: everything is shown and no gate is learned")
     gate_exploration: float = Field(0.1, ge=0, le=1, description="(show-gate) probability a line the gate would hide "
                                     "is shown anyway, so the gate keeps getting labels below its threshold")
-    gate_keep_chars: float = Field(0.99, gt=0, le=1, description="(show-gate) the threshold keeps at least this share "
+    gate_keep_chars: float = Field(0.95, gt=0, le=1, description="(show-gate) the threshold keeps at least this share "
                                    "of the accepted characters always-show would get (estimated from the log)")
     gate_kept_by: Literal["expected", "realised"] = Field(
-        "realised", description="(show-gate) how the kept accepted characters are counted: expected (each "
+        "expected", description="(show-gate) how the kept accepted characters are counted: expected (each "
         "line's estimated acceptance × its characters) or realised (what users accepted); policy/show_gate.py")
     gate_min_decided: int = Field(50, ge=10, description="(show-gate) decided episodes before the first gate is fit")
     gate_refit_every: int = Field(20, ge=1, description="(show-gate) new decided episodes between refits")

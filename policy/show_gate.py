@@ -239,8 +239,8 @@ KEPT_BY = ("expected", "realised")
 
 @dataclass(frozen=True)
 class FitConfig:
-    keep: float = 0.99
-    kept_by: str = "realised"
+    keep: float = 0.95
+    kept_by: str = "expected"
     """``KEPT_BY``: how the kept characters are counted, for the threshold and for promotion."""
     exploration: float = 0.1
     l2: float = 1.0

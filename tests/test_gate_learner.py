@@ -213,7 +213,8 @@ def test_the_first_gate_comes_after_min_decided_lines_of_both_outcomes_then_ever
     [first] = gl.refit_due()
     r = first.record
     assert (r["version"], r["project_id"], r["status"], r["parent_version"], r["episodes_used"]) == (1, "", "PROMOTED", None, 50)
-    assert r["metrics"]["auc_cross_fitted"] > 0.6 and r["metrics"]["keep_chars"] >= 0.99
+    # The settings' rule (expected characters, 0.95) decided it: the promotion checked that figure.
+    assert r["metrics"]["auc_cross_fitted"] > 0.6 and r["metrics"]["keep_chars_expected"] >= 0.95
     assert r["metrics"]["hidden"] == 1.0 and r["exploration"] == 0.1
     assert 0 < r["threshold"] < 1
     # The next refit after 20 new decided lines, not before; its parent is the gate now serving.

@@ -150,7 +150,7 @@ def run_gate_replay(model_spec: str, *, traffic: int, judging: int, draws: int =
                 continue
             figs = judge_gate(f["gate"], judging_tasks, judging_draws, user, spec, seed=seed)
             s = figs["served"]
-            judged.append({"version": f["version"], "at": f["at"], "decided": f["decided"],
+            judged.append({"version": f["version"], "at": f["at"], "lines_decided": f["decided"],
                            "threshold": round(f["threshold"], 4), **figs,
                            "relative": {k: relative_change(s[k], always[k])
                                         for k in ("accept_rate_shown", "shown_share", "accepted_chars_per_request")}})
