@@ -115,10 +115,10 @@ def scenario(seed: int = 7, n_completions: int = N_COMPLETIONS, n_feedback: int 
     return events, expected, kinds
 
 
-def start_worker(settings, log_name: str) -> subprocess.Popen:
+def start_worker(settings, log_name: str, *options: str) -> subprocess.Popen:
     log = open(settings.state_dir / log_name, "ab")
-    return subprocess.Popen([sys.executable, "-m", "tabloop.cli", "streams"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **to_environ(settings)})
+    return subprocess.Popen([sys.executable, "-m", "tabloop.cli", "streams", *options], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, **to_environ(settings)})
 
 
 def collect(settings, before: set, want: int, timeout_s: float, proc, grace_s: float = GRACE_S) -> list:

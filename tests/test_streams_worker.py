@@ -24,14 +24,17 @@ WINDOW_S, LATENESS_S = 5, 2
 
 
 @pytest.mark.timeout(240)  # a broker and a worker starting on two shared cores; the run itself is well under that
-def test_a_few_hundred_events_give_each_episode_once_a_dead_letter_and_scores(own_kafka, tmp_path):
+@pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
+def test_a_few_hundred_events_give_each_episode_once_a_dead_letter_and_scores(own_kafka, tmp_path, guarantee):
+    """Both guarantees `tabloop streams --guarantee` offers join the same episodes when nothing fails (at least
+    once may repeat output only after a crash)."""
     settings = make_settings(tmp_path, kafka_bootstrap=own_kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
                              join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
     ensure_topics(settings)
     events, expected, kinds = scenario(seed=5, n_completions=300, n_feedback=300)
     assert kinds["by_id"] and kinds["by_prompt"] and kinds["expired"] and kinds["cache_hit"] and kinds["duplicate"]
     feedback_ids = {e.event_id for e in events if e.type == "FeedbackReceived"}
-    worker = start_worker(settings, "streams.log")
+    worker = start_worker(settings, "streams.log", "--guarantee", guarantee)
     try:
         raw = Producer({"bootstrap.servers": settings.kafka_bootstrap})
         raw.produce("tabloop.feedback", GARBAGE, key=b"junk")
@@ -57,3 +60,10 @@ def test_a_few_hundred_events_give_each_episode_once_a_dead_letter_and_scores(ow
     assert accepted and all(e["scorer"] == "acceptance" and e["reward_components"] == {"acceptance": reward(
         "ACCEPTED")} for e in accepted)
     assert [d["raw"] for d in letters] == [GARBAGE] and letters[0]["source_topic"] == "tabloop.feedback"
+    # The option reached the worker: exactly once writes its output in transactions, each ended by a commit
+    # marker that takes an offset no record has; at least once writes plain records, offsets without a gap.
+    offsets: dict[int, list[int]] = {}
+    for r in read_topic(settings, "tabloop.episodes"):
+        offsets.setdefault(r.partition, []).append(r.offset)
+    gaps = any(o[-1] - o[0] + 1 > len(o) or o[0] > 0 for o in offsets.values())
+    assert gaps == (guarantee == "exactly_once"), offsets
