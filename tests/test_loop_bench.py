@@ -64,7 +64,8 @@ def test_goal_compares_the_last_version_with_the_base():
 @pytest.mark.drill
 def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(tiny_model, tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TABLOOP_STATE_DIR": str(tmp_path / "base")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TABLOOP_STATE_DIR": str(tmp_path / "base"),
+           "TABLOOP_SHOW_GATE": "true", "TABLOOP_GATE_KEEP_CHARS": "0.9"}
     proc = subprocess.run(
         [sys.executable, "-m", "tabloop.cli", "bench", "loop", "--quick", "--model", tiny_model, "--minutes", "1.0",
          "--train-limit", "60", "--heldout", "8", "--exploration-temperature", "1.0",
@@ -74,6 +75,8 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
     result = json.loads(proc.stdout.strip().splitlines()[-1])
 
     assert set(result) >= {"versions", "feedback_to_policy_s", "online", "goal", "reference", "served_pairs"}
+    # The gate's settings, as the run's environment gave them, are in the result.
+    assert (result["show_gate"]["keep_chars"], result["show_gate"]["kept_by"]) == (0.9, "expected")
     versions = result["versions"]
     assert versions[0]["version"] == 0 and versions[0]["gate_version"] is None and len(versions) >= 2, result
     assert [v["version"] for v in versions] == sorted(v["version"] for v in versions)  # trained versions appeared
@@ -122,6 +125,7 @@ def test_bench_loop_team_runs_one_teams_users_with_lora_updates_and_no_gate(tiny
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["team"] == "single" and result["trainer"]["show_gate"] is False
     assert (result["rule"], result["user_threshold"]) == ("team", 0.3)  # TeamUsers decide, not the stdlib rule
+    assert result["show_gate"] is None  # no gate, so no gate settings to report
     assert result["trainer"]["lora_rank"] >= 1 and result["heldout_tasks"] == 6
     versions = result["versions"]
     assert len(versions) >= 2 and all(v["gate_version"] is None and v["n"] == 12 for v in versions), versions
