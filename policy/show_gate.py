@@ -252,6 +252,12 @@ class FitConfig:
     """At least this many accepted and this many rejected lines: a gate fit on one class says nothing."""
     folds: int = 5
 
+    @classmethod
+    def from_settings(cls, settings) -> "FitConfig":
+        """The fit the ``TABLOOP_GATE_*`` settings describe: the learner's, and the replay's that chooses them."""
+        return cls(keep=settings.gate_keep_chars, kept_by=settings.gate_kept_by,
+                   exploration=settings.gate_exploration, min_decided=settings.gate_min_decided)
+
 
 @dataclass(frozen=True)
 class Fit:

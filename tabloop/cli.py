@@ -761,9 +761,8 @@ def bench_gate_replay(ctx: click.Context, model: str | None, traffic: int, judgi
     use_torch_threads(settings.torch_threads)
     model_spec = resolve_model(settings, model) if model else build_named_model(settings)
     try:
-        result = run_gate_replay(model_spec, traffic=traffic, judging=judging, draws=draws,
-                                 temperature=temperature, max_tokens=max_tokens,
-                                 max_prompt_tokens=settings.max_prompt_tokens, rule=rule, threshold=threshold,
+        result = run_gate_replay(settings, model_spec, traffic=traffic, judging=judging, draws=draws,
+                                 temperature=temperature, max_tokens=max_tokens, rule=rule, threshold=threshold,
                                  rules=keeps or RULES, seed=seed, say=lambda m: click.echo(m, err=True))
     except ValueError as exc:
         raise TabloopError(str(exc)) from None

@@ -194,13 +194,13 @@ def judge_candidate(decided: Sequence[Decided], fit: Fit, config: FitConfig, *, 
         auc = weighted_auc(scores, y, w)
         if auc is not None:
             metrics[name] = auc
-    if config.kept_by == "expected":  # the candidate's cross-fitted scores are the probabilities, for both rules
-        for prefix, shows in (("", [s >= gate.threshold for s in crossed]),
-                              ("serving_", [serving.score(d.features) >= serving.threshold for d in decided]
-                               if serving is not None else None)):
-            kept = None if shows is None else expected_keep(decided, crossed, shows)
-            if kept is not None:
-                metrics[f"{prefix}keep_chars_expected"] = kept
+    if config.kept_by == "expected":  # the candidate's cross-fitted scores are the probabilities for both gates
+        shows = {"keep_chars_expected": [s >= gate.threshold for s in crossed]}
+        if serving is not None:
+            shows["serving_keep_chars_expected"] = [serving.score(d.features) >= serving.threshold for d in decided]
+        for name, shown in shows.items():
+            if (kept := expected_keep(decided, crossed, shown)) is not None:
+                metrics[name] = kept
     metrics["episodes_used"] = float(len(decided))
     status, reason = promotion(metrics, keep=config.keep, serving_version=serving_version,
                                kept_by=config.kept_by)
@@ -317,8 +317,7 @@ class GateLearner:
         self.settings = settings
         self.base_model = base_model
         self.specs = specs or RewardSpecs.from_settings(settings)
-        self.config = FitConfig(keep=settings.gate_keep_chars, kept_by=settings.gate_kept_by,
-                                exploration=settings.gate_exploration, min_decided=settings.gate_min_decided)
+        self.config = FitConfig.from_settings(settings)
         self.windows: dict[str, Window] = {}
         self.gate_records: list[dict] = []
         self._gate_ids: set[str] = set()

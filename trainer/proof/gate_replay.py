@@ -97,11 +97,13 @@ RULES = (("expected", 0.99), ("realised", 0.99))
 """The threshold rules replayed by default: the two ways of counting kept characters at the issue's 99 %."""
 
 
-def run_gate_replay(model_spec: str, *, traffic: int, judging: int, draws: int = 1, temperature: float = 0.7,
-                    max_tokens: int = 32, max_prompt_tokens: int = 256, rule: str = "similarity",
+def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, draws: int = 1,
+                    temperature: float = 0.7, max_tokens: int = 32, rule: str = "similarity",
                     threshold: float = 0.5, rules: Sequence[tuple[str, float]] = RULES, seed: int = 0,
                     say: Callable[[str], None] = print) -> dict:
-    """Sample the draws, replay the learner under each rule, judge its promoted gates; the result as JSON."""
+    """Sample the draws, replay the learner under each rule, judge its promoted gates; the result as JSON.
+    Everything but the rule is the learner's as ``settings`` configure it (exploration, first fit, refit
+    interval, window, prompt length)."""
     import time
 
     from streams.rewards import RewardSpec
@@ -130,7 +132,7 @@ def run_gate_replay(model_spec: str, *, traffic: int, judging: int, draws: int =
                 say(f"gate replay: {done[0]}/{total} {what} draws")
 
         return sample_draws(model, tokenizer, some, draws=n, temperature=temperature, top_p=1.0,
-                            max_new_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens, seed=seed,
+                            max_new_tokens=max_tokens, max_prompt_tokens=settings.max_prompt_tokens, seed=seed,
                             progress=progress)
 
     traffic_draws = sample(traffic_tasks, 1, "traffic")
@@ -142,8 +144,9 @@ def run_gate_replay(model_spec: str, *, traffic: int, judging: int, draws: int =
               "judging_tasks": judging, "judging_draws": draws, "temperature": temperature,
               "user": {"rule": rule, "threshold": threshold}, "always_show": always, "rules": []}
     for kept_by, keep in rules:
-        config = replace(FitConfig(), kept_by=kept_by, keep=keep)
-        fits = replay_learner(traffic_lines, config, seed=seed)
+        config = replace(FitConfig.from_settings(settings), kept_by=kept_by, keep=keep)
+        fits = replay_learner(traffic_lines, config, refit_every=settings.gate_refit_every,
+                              window=settings.gate_window, seed=seed)
         judged = []
         for f in fits:
             if f["status"] != "PROMOTED":
