@@ -740,7 +740,7 @@ def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per
 @click.option("--threshold", type=click.FloatRange(0, 1), default=0.5, show_default=True)
 @click.option("--keep", "keeps", type=(click.Choice(["expected", "realised"]), click.FloatRange(0, 1, min_open=True)),
               multiple=True, help="A threshold rule to replay, e.g. --keep expected 0.99 (repeatable; default: "
-              "expected 0.99 and realised 0.99).")
+              "expected 0.95, the default, and realised 0.99).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-gate-replay", show_default=True)
 @click.pass_context

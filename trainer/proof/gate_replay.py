@@ -93,8 +93,9 @@ def judge_gate(gate: Gate | None, tasks: Sequence, draws: Sequence, user, spec, 
             "decided": figures(served_rows(tasks, draws, gate, user, spec, explore=False, seed=seed))}
 
 
-RULES = (("expected", 0.99), ("realised", 0.99))
-"""The threshold rules replayed by default: the two ways of counting kept characters at the issue's 99 %."""
+RULES = (("expected", 0.95), ("realised", 0.99))
+"""The threshold rules replayed by default: the settings' default (chosen by this replay,
+``docs/bench-loop/gate-replay/``) and the issue's first proposal."""
 
 
 def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, draws: int = 1,
