@@ -741,12 +741,19 @@ def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per
 @click.option("--keep", "keeps", type=(click.Choice(["expected", "realised"]), click.FloatRange(0, 1, min_open=True)),
               multiple=True, help="A threshold rule to replay, e.g. --keep expected 0.99 (repeatable; default: "
               "expected 0.95, the default, and realised 0.99).")
+@click.option("--min-decided", "min_decided", type=click.IntRange(min=10), multiple=True,
+              help="Decided lines before the first fit, each rule replayed at each (repeatable; default: "
+              "TABLOOP_GATE_MIN_DECIDED).")
+@click.option("--orders", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Arrival orders of the same traffic replayed (the sampled one and seeded shuffles): how much "
+              "of when the first gate comes, and what it hides, is which lines came first.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-gate-replay", show_default=True)
 @click.pass_context
 def bench_gate_replay(ctx: click.Context, model: str | None, traffic: int, judging: int, draws: int,
                       temperature: float, max_tokens: int, rule: str, threshold: float,
-                      keeps: tuple[tuple[str, float], ...], seed: int, out_dir: str) -> None:
+                      keeps: tuple[tuple[str, float], ...], min_decided: tuple[int, ...], orders: int, seed: int,
+                      out_dir: str) -> None:
     """The show-gate's learner replayed on draws of train tasks under each threshold rule, its promoted gates
     judged on other train tasks (trainer/proof/gate_replay.py): where the gate's rule is chosen."""
     from pathlib import Path
@@ -763,12 +770,13 @@ def bench_gate_replay(ctx: click.Context, model: str | None, traffic: int, judgi
     try:
         result = run_gate_replay(settings, model_spec, traffic=traffic, judging=judging, draws=draws,
                                  temperature=temperature, max_tokens=max_tokens, rule=rule, threshold=threshold,
-                                 rules=keeps or RULES, seed=seed, say=lambda m: click.echo(m, err=True))
+                                 rules=keeps or RULES, min_decided=min_decided, orders=orders, seed=seed,
+                                 say=lambda m: click.echo(m, err=True))
     except ValueError as exc:
         raise TabloopError(str(exc)) from None
     write_result(result, Path(out_dir))
     _emit({"bench": "gate-replay", "always_show": result["always_show"],
-           "rules": [{k: r[k] for k in ("kept_by", "keep", "promoted")} | {"fits": len(r["fits"])}
+           "rules": [{k: r[k] for k in ("kept_by", "keep", "min_decided", "promoted")} | {"fits": len(r["fits"])}
                      | {"last": r["gates"][-1] if r["gates"] else None} for r in result["rules"]],
            "wall_s": result["wall_s"]})
 

@@ -47,3 +47,40 @@ def test_the_replay_is_the_same_for_the_same_seed_and_explores_differently_for_a
     c = replay_learner(lines, FitConfig(), seed=2)
     assert [(f["at"], f["threshold"]) for f in a] == [(f["at"], f["threshold"]) for f in b]
     assert [f["at"] for f in a] != [f["at"] for f in c]
+
+
+def test_other_arrival_orders_are_seeded_permutations_of_the_same_traffic():
+    from trainer.proof.gate_replay import traffic_order
+
+    lines = known_lines(300)
+    assert traffic_order(lines, 0) == lines
+    shuffled = traffic_order(lines, 1)
+    assert shuffled != lines and sorted(map(id, shuffled)) == sorted(map(id, lines))
+    assert traffic_order(lines, 1) == shuffled and traffic_order(lines, 2) != shuffled
+    assert traffic_order(lines, 1, seed=5) != shuffled
+
+
+def test_an_order_summary_counts_the_rolled_back_fits_before_the_first_promotion_and_judges_first_and_last():
+    from trainer.proof.gate_replay import order_summary
+
+    fits = replay_learner(known_lines(900), FitConfig(min_decided=50), refit_every=20, seed=1)
+    promoted = [f for f in fits if f["status"] == "PROMOTED"]
+    # Fake the first fit's decision so that one candidate is rolled back before the first promotion.
+    fits[0] = {**fits[0], "status": "ROLLED_BACK"}
+    judged = []
+
+    def judge(gate):  # figures that tell the gates apart: the threshold as the accept rate
+        judged.append(gate)
+        return {"served": {"accept_rate_shown": 0.2 + gate.threshold, "shown_share": 0.5,
+                           "accepted_chars_per_request": 2.0}}
+
+    always = {"accept_rate_shown": 0.2, "shown_share": 1.0, "accepted_chars_per_request": 2.0}
+    s = order_summary(3, fits, judge, always)
+    first = next(f for f in fits if f["status"] == "PROMOTED")
+    assert s["order"] == 3 and s["fits"] == len(fits) and s["tried_before_first"] == fits.index(first) >= 1
+    assert s["first"]["version"] == first["version"] and s["last"]["version"] == promoted[-1]["version"]
+    assert judged == [first["gate"], promoted[-1]["gate"]]
+    assert s["first"]["relative"]["shown_share"] == -0.5
+    assert s["first"]["relative"]["accept_rate_shown"] == round(first["threshold"] / 0.2, 4)
+    nothing = order_summary(0, [{**f, "status": "ROLLED_BACK"} for f in fits], judge, always)
+    assert nothing["first"] is None and nothing["tried_before_first"] is None

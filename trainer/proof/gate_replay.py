@@ -98,13 +98,46 @@ RULES = (("expected", 0.95), ("realised", 0.99))
 ``docs/bench-loop/gate-replay/``) and the issue's first proposal."""
 
 
+def traffic_order(lines: Sequence[Line | None], order: int, seed: int = 0) -> list[Line | None]:
+    """The traffic in its ``order``-th arrival order: 0 as sampled, others a seeded shuffle. The same lines
+    in another order ask how much of a rule's early behaviour (when its first gate is promoted, how much that
+    gate hides) is the luck of which lines came first."""
+    out = list(lines)
+    if order:
+        random.Random(f"{seed}:order:{order}").shuffle(out)
+    return out
+
+
+def order_summary(order: int, fits: Sequence[dict], judge: Callable[[Gate], dict], always: dict) -> dict:
+    """One arrival order's fits in brief: how many were tried before the first promotion, the decided lines
+    it was fit on, and the first and the last promoted gate judged (``judge``) beside always-show."""
+    from trainer.proof.served import relative_change
+
+    promoted = [f for f in fits if f["status"] == "PROMOTED"]
+    out: dict = {"order": order, "fits": len(fits), "promoted": len(promoted),
+                 "tried_before_first": next((i for i, f in enumerate(fits) if f["status"] == "PROMOTED"), None)}
+    for name, f in (("first", promoted[0] if promoted else None), ("last", promoted[-1] if promoted else None)):
+        if f is None:
+            out[name] = None
+            continue
+        served = judge(f["gate"])["served"]
+        out[name] = {"version": f["version"], "at": f["at"], "lines_decided": f["decided"],
+                     "threshold": round(f["threshold"], 4),
+                     "relative": {k: relative_change(served[k], always[k])
+                                  for k in ("accept_rate_shown", "shown_share", "accepted_chars_per_request")}}
+    return out
+
+
 def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, draws: int = 1,
                     temperature: float = 0.7, max_tokens: int = 32, rule: str = "similarity",
-                    threshold: float = 0.5, rules: Sequence[tuple[str, float]] = RULES, seed: int = 0,
+                    threshold: float = 0.5, rules: Sequence[tuple[str, float]] = RULES,
+                    min_decided: Sequence[int] = (), orders: int = 1, seed: int = 0,
                     say: Callable[[str], None] = print) -> dict:
-    """Sample the draws, replay the learner under each rule, judge its promoted gates; the result as JSON.
-    Everything but the rule is the learner's as ``settings`` configure it (exploration, first fit, refit
-    interval, window, prompt length)."""
+    """Sample the draws, replay the learner under each rule (and each first-fit size in ``min_decided``; the
+    settings' by default), judge its promoted gates; the result as JSON. Everything else is the learner's as
+    ``settings`` configure it (exploration, refit interval, window, prompt length). With ``orders`` > 1 the
+    same traffic is also replayed in other arrival orders (``traffic_order``), each summarised by
+    ``order_summary``; every promoted gate of the sampled order is judged in full."""
     import time
 
     from streams.rewards import RewardSpec
@@ -113,6 +146,8 @@ def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, dr
     from trainer.proof.simulate import UserModel
     from trainer.proof.tasks import resolve_dataset
 
+    if orders < 1:
+        raise ValueError(f"orders must be at least 1, not {orders}")
     started = time.monotonic()
     tasks = list(resolve_dataset("stdlib:train", seed=seed))
     random.Random(f"{seed}:gate-replay").shuffle(tasks)
@@ -141,29 +176,47 @@ def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, dr
                                                         explore=False))
     judging_draws = sample(judging_tasks, draws, "judging")
     always = judge_gate(None, judging_tasks, judging_draws, user, spec, seed=seed)["served"]
+
+    def judge(gate: Gate) -> dict:
+        return judge_gate(gate, judging_tasks, judging_draws, user, spec, seed=seed)
+
     result = {"bench": "gate-replay", "model": model_spec, "split": "stdlib:train", "traffic_tasks": traffic,
               "judging_tasks": judging, "judging_draws": draws, "temperature": temperature,
-              "user": {"rule": rule, "threshold": threshold}, "always_show": always, "rules": []}
+              "user": {"rule": rule, "threshold": threshold}, "orders": orders,
+              "refit_every": settings.gate_refit_every, "always_show": always, "rules": []}
     for kept_by, keep in rules:
-        config = replace(FitConfig.from_settings(settings), kept_by=kept_by, keep=keep)
-        fits = replay_learner(traffic_lines, config, refit_every=settings.gate_refit_every,
-                              window=settings.gate_window, seed=seed)
-        judged = []
-        for f in fits:
-            if f["status"] != "PROMOTED":
-                continue
-            figs = judge_gate(f["gate"], judging_tasks, judging_draws, user, spec, seed=seed)
-            s = figs["served"]
-            judged.append({"version": f["version"], "at": f["at"], "lines_decided": f["decided"],
-                           "threshold": round(f["threshold"], 4), **figs,
-                           "relative": {k: relative_change(s[k], always[k])
-                                        for k in ("accept_rate_shown", "shown_share", "accepted_chars_per_request")}})
-            say(f"gate replay: {kept_by} {keep}: v{f['version']} after {f['at']} lines, threshold "
-                f"{f['threshold']:.3f}: accept {s['accept_rate_shown']} shown {s['shown_share']} "
-                f"chars {s['accepted_chars_per_request']} ({judged[-1]['relative']})")
-        result["rules"].append({"kept_by": kept_by, "keep": keep, "promoted": len(judged), "gates": judged,
-                                "fits": [{k: f[k] for k in ("at", "decided", "version", "threshold", "status",
-                                                            "reason")} for f in fits]})
+        for first_fit in min_decided or (settings.gate_min_decided,):
+            config = replace(FitConfig.from_settings(settings), kept_by=kept_by, keep=keep, min_decided=first_fit)
+            name = f"{kept_by} {keep} (first fit at {first_fit})"
+            fits = replay_learner(traffic_lines, config, refit_every=settings.gate_refit_every,
+                                  window=settings.gate_window, seed=seed)
+            judged = []
+            for f in fits:
+                if f["status"] != "PROMOTED":
+                    continue
+                figs = judge(f["gate"])
+                s = figs["served"]
+                judged.append({"version": f["version"], "at": f["at"], "lines_decided": f["decided"],
+                               "threshold": round(f["threshold"], 4), **figs,
+                               "relative": {k: relative_change(s[k], always[k]) for k in
+                                            ("accept_rate_shown", "shown_share", "accepted_chars_per_request")}})
+                say(f"gate replay: {name}: v{f['version']} after {f['at']} lines, threshold "
+                    f"{f['threshold']:.3f}: accept {s['accept_rate_shown']} shown {s['shown_share']} "
+                    f"chars {s['accepted_chars_per_request']} ({judged[-1]['relative']})")
+            by_order = [order_summary(0, fits, judge, always)]
+            for order in range(1, orders):
+                order_fits = replay_learner(traffic_order(traffic_lines, order, seed), config,
+                                            refit_every=settings.gate_refit_every, window=settings.gate_window,
+                                            seed=seed + order)
+                by_order.append(order_summary(order, order_fits, judge, always))
+                first = by_order[-1]["first"]
+                say(f"gate replay: {name}, order {order}: first promoted after "
+                    f"{by_order[-1]['tried_before_first']} rolled back, on "
+                    f"{first['lines_decided'] if first else '-'} lines: {first['relative'] if first else '-'}")
+            result["rules"].append({"kept_by": kept_by, "keep": keep, "min_decided": first_fit,
+                                    "promoted": len(judged), "gates": judged, "orders": by_order,
+                                    "fits": [{k: f[k] for k in ("at", "decided", "version", "threshold", "status",
+                                                                "reason")} for f in fits]})
     result["wall_s"] = round(time.monotonic() - started, 1)
     return result
 
