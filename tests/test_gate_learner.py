@@ -360,3 +360,37 @@ def test_episodes_in_a_promoted_gate_out_a_restart_quiet_and_a_rollback(own_kafk
     assert again.exit_code != 0 and "rolled back already" in again.output
     missing = CliRunner().invoke(main, ["gates", "rollback", "--version", "9", "--project", "acme"], env=env)
     assert missing.exit_code != 0 and "no version 9 of project acme's gate" in missing.output
+
+
+def test_while_no_gate_serves_a_candidate_is_tried_on_every_new_line(tmp_path):
+    gl = learner(tmp_path)
+    lines = synthetic(90, seed=1)
+    for r in lines[:50]:
+        gl.add_episode(r)
+    [first] = gl.refit_due()
+    # As if the first candidate had been rolled back: none serves, so the next new line brings the next fit.
+    gl.gate_records[-1] = {**gl.gate_records[-1], "status": "ROLLED_BACK"}
+    assert gl.serving_gate("")[0] is None and gl.refit_due() == []  # no new line: nothing to try again
+    gl.add_episode(lines[50])
+    [second] = gl.refit_due()
+    assert (second.record["version"], second.record["episodes_used"]) == (2, 51)
+    assert second.record["status"] == "PROMOTED" and second.record["parent_version"] is None
+    # Now one serves: the next fit waits for gate_refit_every (20) new lines.
+    for r in lines[51:70]:
+        gl.add_episode(r)
+        assert gl.refit_due() == []
+    gl.add_episode(lines[70])
+    [third] = gl.refit_due()
+    assert third.record["episodes_used"] == 71 and third.record["parent_version"] == 2
+
+
+def test_fit_due_by_hand():
+    from trainer.show_gate import fit_due
+
+    rule = dict(min_decided=50, refit_every=20)
+    assert not fit_due(49, 49, True, serving=False, **rule)  # too few lines
+    assert fit_due(50, 50, True, serving=False, **rule)
+    assert fit_due(51, 1, True, serving=False, **rule)  # none serves: every new line
+    assert not fit_due(51, 0, False, serving=False, **rule)  # nothing new since the last attempt
+    assert not fit_due(70, 19, True, serving=True, **rule)  # one serves: every 20 new lines
+    assert fit_due(71, 20, True, serving=True, **rule)

@@ -252,6 +252,21 @@ def weighted_auc(scores: Sequence[float], labels: Sequence[bool], weights: Seque
     return float(wp @ greater @ wn / (wp.sum() * wn.sum()))
 
 
+def fit_due(lines: int, new: int, unseen: bool, *, serving: bool, min_decided: int, refit_every: int) -> bool:
+    """Whether the learner fits a candidate now, with ``lines`` decided lines in its window, ``new`` of them
+    added since the last fit, ``unseen``: any added since the last attempt (a fit that made no gate, for
+    one outcome, counts as an attempt).
+
+    While no gate serves, a fit is tried on every new line from ``min_decided`` on, not every ``refit_every``:
+    each candidate is judged against always-show, a rolled-back first one costs a few milliseconds, and the
+    gate is the policy's fastest lever on what users see (waiting ``refit_every`` lines after a rolled-back
+    first candidate is ~20 s of traffic; the loop's first gate came 72 s after the first feedback that way).
+    Once one serves, a refit every ``refit_every`` new lines."""
+    if lines < min_decided or not unseen:
+        return False
+    return not serving or new >= refit_every
+
+
 # -- gate versions on the topic ------------------------------------------------------------------------------
 
 
@@ -289,7 +304,7 @@ class Window:
     added: int = 0
     """Decided lines ever added (the window drops the oldest; this only grows)."""
     attempted_at: int = -1
-    """``added`` at the last fit; -1: never fit. Before a first gate, a fit is tried on every new line."""
+    """``added`` at the last fit; -1: never fit. While no gate serves, a fit is tried on every new line."""
     fitted_policy: int | None = None
 
     def add(self, event_id: str, joined_ms: int, decided: Decided) -> bool:
@@ -397,13 +412,14 @@ class GateLearner:
 
     def due(self, project: str) -> bool:
         window = self.windows.get(project)
-        if not self.caught_up or window is None or len(window.decided) < self.config.min_decided:
+        if not self.caught_up or window is None:
             return False
-        if not latest_statuses(self.gate_records, project):  # none yet: try on every new line
-            return window.attempted_at != window.added
-        if window.fitted_policy is not None and window.fitted_policy != self.policy_version(project):
+        if (len(window.decided) >= self.config.min_decided and window.fitted_policy is not None
+                and window.fitted_policy != self.policy_version(project)):
             return True  # a promoted weight version moves the logprobs the features are made of
-        return window.new >= self.settings.gate_refit_every
+        return fit_due(len(window.decided), window.new, window.attempted_at != window.added,
+                       serving=self.serving_gate(project)[0] is not None, min_decided=self.config.min_decided,
+                       refit_every=self.settings.gate_refit_every)
 
     def refit_due(self) -> list[Event]:
         """A GateVersion event for each window whose refit is due and that could be fit."""

@@ -6,7 +6,8 @@ The train split is cut in two by a seeded shuffle. The first part is the traffic
 at the door as the loop's users would send them; the serving gate (none at first) decides each line with its
 exploration coin, the decided lines enter the learner's window, and the learner refits and judges each
 candidate as ``trainer.show_gate.GateLearner`` does (``replay_learner``: the same ``fit_gate`` and
-``judge_candidate``, a first fit tried on every new line, then one every ``refit_every``). The second part
+``judge_candidate``, and its schedule ``fit_due``: a fit tried on every new line while no gate serves, then
+one every ``refit_every``). The second part
 judges every promoted gate on its own draws (``trainer.proof.served``: with exploration, as served, and the
 gate's own decision), beside always-show on the same draws.
 
@@ -53,7 +54,7 @@ def replay_learner(lines: Sequence[Line | None], config: FitConfig, *, refit_eve
     """Every candidate the learner would fit on this traffic, in order: ``at`` (lines arrived), ``decided``
     (lines in the window), ``version``, ``threshold``, ``status``, ``reason``, ``metrics`` and ``gate``. A
     PROMOTED candidate serves the lines after it."""
-    from trainer.show_gate import judge_candidate
+    from trainer.show_gate import fit_due, judge_candidate
 
     rng = random.Random(f"{seed}:replay")
     log: deque[Decided] = deque(maxlen=window)
@@ -69,7 +70,8 @@ def replay_learner(lines: Sequence[Line | None], config: FitConfig, *, refit_eve
             continue
         log.append(Decided(line.features, line.accepted, line.accepted_chars, p, line.line_chars))
         new += 1
-        if len(log) < config.min_decided or (version > 0 and new < refit_every):
+        if not fit_due(len(log), new, True, serving=serving is not None, min_decided=config.min_decided,
+                       refit_every=refit_every):
             continue
         new = 0
         fit = fit_gate(list(log), config, version=version + 1)
