@@ -110,11 +110,17 @@ def traffic_order(lines: Sequence[Line | None], order: int, seed: int = 0) -> li
     return out
 
 
+def relative_to(served: dict, always: dict) -> dict:
+    """A gate's served figures as relative changes from always-show's on the same draws."""
+    from trainer.proof.served import relative_change
+
+    return {k: relative_change(served[k], always[k])
+            for k in ("accept_rate_shown", "shown_share", "accepted_chars_per_request")}
+
+
 def order_summary(order: int, fits: Sequence[dict], judge: Callable[[Gate], dict], always: dict) -> dict:
     """One arrival order's fits in brief: how many were tried before the first promotion, the decided lines
     it was fit on, and the first and the last promoted gate judged (``judge``) beside always-show."""
-    from trainer.proof.served import relative_change
-
     promoted = [f for f in fits if f["status"] == "PROMOTED"]
     out: dict = {"order": order, "fits": len(fits), "promoted": len(promoted),
                  "tried_before_first": next((i for i, f in enumerate(fits) if f["status"] == "PROMOTED"), None)}
@@ -125,8 +131,7 @@ def order_summary(order: int, fits: Sequence[dict], judge: Callable[[Gate], dict
         served = judge(f["gate"])["served"]
         out[name] = {"version": f["version"], "at": f["at"], "lines_decided": f["decided"],
                      "threshold": round(f["threshold"], 4),
-                     "relative": {k: relative_change(served[k], always[k])
-                                  for k in ("accept_rate_shown", "shown_share", "accepted_chars_per_request")}}
+                     "relative": relative_to(served, always)}
     return out
 
 
@@ -144,7 +149,7 @@ def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, dr
 
     from streams.rewards import RewardSpec
     from trainer.proof.evaluate import load_policy, sample_draws
-    from trainer.proof.served import relative_change, served_rows
+    from trainer.proof.served import served_rows
     from trainer.proof.simulate import UserModel
     from trainer.proof.tasks import resolve_dataset
 
@@ -200,8 +205,7 @@ def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, dr
                 s = figs["served"]
                 judged.append({"version": f["version"], "at": f["at"], "lines_decided": f["decided"],
                                "threshold": round(f["threshold"], 4), **figs,
-                               "relative": {k: relative_change(s[k], always[k]) for k in
-                                            ("accept_rate_shown", "shown_share", "accepted_chars_per_request")}})
+                               "relative": relative_to(s, always)})
                 say(f"gate replay: {name}: v{f['version']} after {f['at']} lines, threshold "
                     f"{f['threshold']:.3f}: accept {s['accept_rate_shown']} shown {s['shown_share']} "
                     f"chars {s['accepted_chars_per_request']} ({judged[-1]['relative']})")
@@ -212,9 +216,10 @@ def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, dr
                                             seed=seed + order)
                 by_order.append(order_summary(order, order_fits, judge, always))
                 first = by_order[-1]["first"]
-                say(f"gate replay: {name}, order {order}: first promoted after "
-                    f"{by_order[-1]['tried_before_first']} rolled back, on "
-                    f"{first['lines_decided'] if first else '-'} lines: {first['relative'] if first else '-'}")
+                say(f"gate replay: {name}, order {order}: " + (
+                    f"first promoted after {by_order[-1]['tried_before_first']} rolled back, on "
+                    f"{first['lines_decided']} lines: {first['relative']}" if first else
+                    f"no gate promoted in {by_order[-1]['fits']} fits"))
             result["rules"].append({"kept_by": kept_by, "keep": keep, "min_decided": first_fit,
                                     "promoted": len(judged), "gates": judged, "orders": by_order,
                                     "fits": [{k: f[k] for k in ("at", "decided", "version", "threshold", "status",
