@@ -388,9 +388,11 @@ def test_fit_due_by_hand():
     from trainer.show_gate import fit_due
 
     rule = dict(min_decided=50, refit_every=20)
-    assert not fit_due(49, 49, True, serving=False, **rule)  # too few lines
-    assert fit_due(50, 50, True, serving=False, **rule)
-    assert fit_due(51, 1, True, serving=False, **rule)  # none serves: every new line
-    assert not fit_due(51, 0, False, serving=False, **rule)  # nothing new since the last attempt
-    assert not fit_due(70, 19, True, serving=True, **rule)  # one serves: every 20 new lines
-    assert fit_due(71, 20, True, serving=True, **rule)
+    assert not fit_due(49, 49, serving=False, **rule)  # too few lines
+    assert fit_due(50, 50, serving=False, **rule)
+    assert fit_due(51, 1, serving=False, **rule)  # none serves: every new line
+    assert not fit_due(51, 0, serving=False, **rule)  # nothing new since the last attempt
+    assert not fit_due(70, 19, serving=True, **rule)  # one serves: every 20 new lines
+    assert fit_due(71, 20, serving=True, **rule)
+    assert fit_due(71, 0, serving=True, policy_moved=True, **rule)  # new logprobs: new features
+    assert not fit_due(49, 0, serving=False, policy_moved=True, **rule)

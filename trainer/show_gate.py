@@ -252,19 +252,20 @@ def weighted_auc(scores: Sequence[float], labels: Sequence[bool], weights: Seque
     return float(wp @ greater @ wn / (wp.sum() * wn.sum()))
 
 
-def fit_due(lines: int, new: int, unseen: bool, *, serving: bool, min_decided: int, refit_every: int) -> bool:
+def fit_due(lines: int, new: int, *, serving: bool, min_decided: int, refit_every: int,
+            policy_moved: bool = False) -> bool:
     """Whether the learner fits a candidate now, with ``lines`` decided lines in its window, ``new`` of them
-    added since the last fit, ``unseen``: any added since the last attempt (a fit that made no gate, for
-    one outcome, counts as an attempt).
+    added since the last fit (a fit that made no gate, for one outcome, counts).
 
-    While no gate serves, a fit is tried on every new line from ``min_decided`` on, not every ``refit_every``:
-    each candidate is judged against always-show, a rolled-back first one costs a few milliseconds, and the
-    gate is the policy's fastest lever on what users see (waiting ``refit_every`` lines after a rolled-back
-    first candidate is ~20 s of traffic; the loop's first gate came 72 s after the first feedback that way).
-    Once one serves, a refit every ``refit_every`` new lines."""
-    if lines < min_decided or not unseen:
+    Nothing before ``min_decided`` lines. A promoted weight version (``policy_moved``) is a refit at once: it
+    moves the logprobs the features are made of. While no gate serves, a fit is tried on every new line, not
+    every ``refit_every``: each candidate is judged against always-show, a rolled-back first one costs a few
+    milliseconds, and the gate is the policy's fastest lever on what users see (waiting ``refit_every`` lines
+    after a rolled-back first candidate is ~20 s of traffic; the loop's first gate came 72 s after the first
+    feedback that way). Once one serves, a refit every ``refit_every`` new lines."""
+    if lines < min_decided:
         return False
-    return not serving or new >= refit_every
+    return policy_moved or new >= (refit_every if serving else 1)
 
 
 # -- gate versions on the topic ------------------------------------------------------------------------------
@@ -303,8 +304,6 @@ class Window:
     """Decided lines added since the last fit (or, before it, since the newest gate version's creation)."""
     added: int = 0
     """Decided lines ever added (the window drops the oldest; this only grows)."""
-    attempted_at: int = -1
-    """``added`` at the last fit; -1: never fit. While no gate serves, a fit is tried on every new line."""
     fitted_policy: int | None = None
 
     def add(self, event_id: str, joined_ms: int, decided: Decided) -> bool:
@@ -414,12 +413,10 @@ class GateLearner:
         window = self.windows.get(project)
         if not self.caught_up or window is None:
             return False
-        if (len(window.decided) >= self.config.min_decided and window.fitted_policy is not None
-                and window.fitted_policy != self.policy_version(project)):
-            return True  # a promoted weight version moves the logprobs the features are made of
-        return fit_due(len(window.decided), window.new, window.attempted_at != window.added,
-                       serving=self.serving_gate(project)[0] is not None, min_decided=self.config.min_decided,
-                       refit_every=self.settings.gate_refit_every)
+        moved = window.fitted_policy is not None and window.fitted_policy != self.policy_version(project)
+        return fit_due(len(window.decided), window.new, serving=self.serving_gate(project)[0] is not None,
+                       min_decided=self.config.min_decided, refit_every=self.settings.gate_refit_every,
+                       policy_moved=moved)
 
     def refit_due(self) -> list[Event]:
         """A GateVersion event for each window whose refit is due and that could be fit."""
@@ -432,7 +429,6 @@ class GateLearner:
         decided = [d for _, _, d in window.decided]
         policy = self.policy_version(project)
         version = next_gate_version(self.gate_records, project)
-        window.attempted_at = window.added
         fit = fit_gate(decided, self.config, version=version, project_id=project, policy_version=policy)
         window.new = 0
         window.fitted_policy = policy

@@ -70,7 +70,7 @@ def replay_learner(lines: Sequence[Line | None], config: FitConfig, *, refit_eve
             continue
         log.append(Decided(line.features, line.accepted, line.accepted_chars, p, line.line_chars))
         new += 1
-        if not fit_due(len(log), new, True, serving=serving is not None, min_decided=config.min_decided,
+        if not fit_due(len(log), new, serving=serving is not None, min_decided=config.min_decided,
                        refit_every=refit_every):
             continue
         new = 0
