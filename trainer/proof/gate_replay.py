@@ -17,6 +17,7 @@ the gate's rule from the LM's learning.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import deque
 from dataclasses import dataclass, replace
@@ -184,6 +185,7 @@ def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, dr
     judging_draws = sample(judging_tasks, draws, "judging")
     always = judge_gate(None, judging_tasks, judging_draws, user, spec, seed=seed)["served"]
 
+    @functools.cache  # the sampled order's first and last gates are judged for its summary too
     def judge(gate: Gate) -> dict:
         return judge_gate(gate, judging_tasks, judging_draws, user, spec, seed=seed)
 
