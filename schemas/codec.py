@@ -65,12 +65,17 @@ def schema_fingerprint(parsed_schema: dict) -> bytes:
 class _Writer:
     """A schema that data may have been written with, and how to read it."""
 
-    __slots__ = ("type_name", "schema", "reader")
+    __slots__ = ("type_name", "schema", "reader", "bytes_defaults")
 
     def __init__(self, type_name: str, schema: dict, reader: dict | None):
         self.type_name = type_name
         self.schema = schema
         self.reader = reader  # None when the writer is the current schema
+        # fastavro fills a bytes field the writer lacked with its JSON default, text: bytes, as when written
+        # (e.g. prompt_token_ids_packed of an event written before it), so the record encodes again.
+        self.bytes_defaults = {} if reader is None else {
+            name: value for name, value in EVENT_TYPES[type_name].defaults.items()
+            if isinstance(value, bytes) and name not in {f["name"] for f in schema["fields"]}}
 
 
 class Codec:
@@ -213,6 +218,8 @@ class Codec:
             raise CorruptEventError(
                 f"{writer.type_name}: {len(data) - body.tell()} bytes left over after the event"
             )
+        if writer.bytes_defaults:
+            record.update(writer.bytes_defaults)
         return Event(writer.type_name, record)
 
     def _registry_writer(self, schema_id: int) -> _Writer:

@@ -59,7 +59,7 @@ class EventType:
 
     @cached_property
     def defaults(self) -> dict[str, Any]:
-        return {f["name"]: f["default"] for f in self.schema_json["fields"] if "default" in f}
+        return {f["name"]: _default_value(f) for f in self.schema_json["fields"] if "default" in f}
 
     @cached_property
     def required_fields(self) -> frozenset[str]:
@@ -71,6 +71,14 @@ class EventType:
         for path in RELEASED_DIR.glob(f"{self.name}.v*.avsc"):
             found.append((int(path.stem.rsplit(".v", 1)[1]), path))
         return sorted(found)
+
+
+def _default_value(field: dict) -> Any:
+    """A field's default as a record holds it: a ``bytes`` default is JSON text (one char a byte, per the Avro
+    spec), which the codec would refuse as a value."""
+    if field["type"] == "bytes":
+        return field["default"].encode("latin-1")
+    return field["default"]
 
 
 def _feedback_key(r: dict) -> str:

@@ -1,8 +1,8 @@
 """Realistic example events, for benchmarks, tests and demos.
 
 Sizes follow what the front door really emits: a ~2 KB FIM prompt and its
-token ids (about one per 3.5 characters of code), 64 completion tokens with their
-logprobs and text ends.
+token ids (about one per 3.5 characters of code, packed as the front door packs
+them), 64 completion tokens with their logprobs and text ends.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import random
 import uuid
 
 from schemas.events import Event, new_event
+from schemas.token_ids import pack_ids
 
 _CODE = (
     "def moving_average(values, window):\n"
@@ -40,7 +41,7 @@ def example_event(type_name: str, i: int = 0, rng: random.Random | None = None, 
         return new_event(
             "CompletionServed", completion_id=completion_id, project_id=project, user_id=user,
             model="Qwen/Qwen2.5-Coder-1.5B", policy_version=i % 5, prompt=prompt,
-            prompt_token_ids=_prompt_ids(rng, prompt),
+            prompt_token_ids_packed=pack_ids(_prompt_ids(rng, prompt)),
             prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(), prefix=prompt[14:200], suffix=None,
             filepath=f"src/module_{i % 11}.py", completion_text="    return total / window\n",
             completion_token_ids=[rng.randrange(151_000) for _ in range(tokens)],
@@ -64,7 +65,7 @@ def example_event(type_name: str, i: int = 0, rng: random.Random | None = None, 
         prompt = fim_prompt(rng, prompt_size)
         return new_event(
             "Episode", completion_id=completion_id, project_id=project, user_id=user, policy_version=i % 5,
-            prompt=prompt, prompt_token_ids=_prompt_ids(rng, prompt),
+            prompt=prompt, prompt_token_ids_packed=pack_ids(_prompt_ids(rng, prompt)),
             prompt_sha256=hashlib.sha256(prompt.encode()).hexdigest(), completion_text="    return total / window\n",
             completion_token_ids=[rng.randrange(151_000) for _ in range(tokens)],
             behaviour_logprobs=[-rng.random() * 3 for _ in range(tokens)], temperature=0.2, top_p=0.95,

@@ -20,6 +20,7 @@ from typing import AsyncIterator
 
 from infra.settings import Settings
 from schemas.events import Event, new_event
+from schemas.token_ids import pack_ids
 from serving.engines.base import Engine, GenerationRequest, TokenStep
 from policy.fim import (
     QWEN_STOP_WORDS,
@@ -363,7 +364,8 @@ class CompletionRun:
             "CompletionServed", completion_id=self.completion_id, project_id=self.project_id,
             user_id=self.user_id, model=self.engine.model_name,
             policy_version=self.policy_version if self.policy_version is not None else self.engine.policy_version,
-            prompt=self.prompt_text or self.params.model_prompt, prompt_token_ids=self.prompt_ids,
+            prompt=self.prompt_text or self.params.model_prompt,
+            prompt_token_ids_packed=pack_ids(self.prompt_ids or ()),  # packed once, here (schemas.token_ids)
             prompt_sha256=hashlib.sha256(self.params.client_prompt.encode()).hexdigest(),
             prefix=parsed.prefix, suffix=parsed.suffix, filepath=parsed.filepath,
             completion_text=text, completion_token_ids=self.token_ids[:kept],

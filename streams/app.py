@@ -32,6 +32,7 @@ from infra.bus import ensure_topics, make_codec
 from infra.settings import Settings
 from schemas.codec import EventDecodeError
 from schemas.events import Event, new_event
+from schemas.token_ids import packed_text
 from schemas.topics import CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, Topic
 from streams.join import REUSE_MARK, EpisodeJoiner, JoinConfig, PromptMatcher, millis, reuse_key
 from streams.rewards import RewardSpecs
@@ -51,8 +52,10 @@ PRODUCER_MAX_BATCH_BYTES = 512 * 1024
 
 
 def plain(record: dict) -> dict:
-    """A record as JSON-friendly values (datetimes as epoch ms) for internal topics and tables."""
-    return {k: millis(v) if isinstance(v, datetime) else v for k, v in record.items()}
+    """A record as JSON-friendly values (datetimes as epoch ms, packed token ids as base64 text: Faust's
+    JSON would write the bytes' repr) for internal topics and tables."""
+    return {k: millis(v) if isinstance(v, datetime) else packed_text(v) if isinstance(v, bytes) else v
+            for k, v in record.items()}
 
 
 class ExpiryIndex:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from schemas.events import Event, new_event
+from schemas.token_ids import PACKED, packed_field
 from policy.fim import parse_prompt
 from policy.shown import first_line, kept_token_count, shown_line, single_line_mode
 from streams.rewards import RewardSpecs, acceptance_reward, composite_reward
@@ -392,7 +393,10 @@ class EpisodeJoiner:
             completion_id=completion_id, project_id=source["project_id"], user_id=source["user_id"],
             policy_version=completion["policy_version"] if completion else None,
             prompt=prompt,
+            # The ids as the completion carries them: packed (v5 on) passed on as bytes, never unpacked here;
+            # a completion written before v5 (or restored from state kept before) has the array.
             prompt_token_ids=list((completion or {}).get("prompt_token_ids") or []),
+            prompt_token_ids_packed=packed_field((completion or {}).get(PACKED)),
             prompt_sha256=source.get("prompt_sha256"),
             **served_cursor(completion, prompt),
             completion_text=text, completion_token_ids=tokens,

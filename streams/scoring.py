@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from policy.fim import parse_prompt
+from schemas.token_ids import PACKED, packed_field
 from streams.judge import JudgeClient, JudgeConfig
 from streams.rewards import RewardSpec, composite_reward
 from streams.sandbox import run_tests
@@ -50,7 +51,8 @@ def unit_tests_component(spec: RewardSpec, passed: bool) -> float:
 def rescored(episode: dict, spec: RewardSpec, extra: dict[str, float], errors: dict[str, str]) -> dict:
     """The episode record with the extra components, its reward recomputed, the scorers named."""
     components = {**episode["reward_components"], **extra}
-    return {**episode, "reward_components": components,
+    # Packed ids come back from the worker's JSON as base64 text (streams.app.plain): bytes again to encode.
+    return {**episode, PACKED: packed_field(episode.get(PACKED)), "reward_components": components,
             "reward": composite_reward(spec, components, len(episode["completion_token_ids"])),
             "scorer": "+".join(sorted(components, key=lambda c: (c != "acceptance", c))),
             "scoring_errors": {**episode.get("scoring_errors", {}), **errors}}

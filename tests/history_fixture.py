@@ -44,8 +44,7 @@ def new_store(retention: dict | None = None) -> HistoryStore:
 
 
 def row(store: HistoryStore, event: Event, topic: str = "fixture", partition: int = 0, offset: int = 0) -> list:
-    table = TABLE_FOR_EVENT[event.type]
-    return [event.record.get(c) for c in store.columns(table)] + [topic, partition, offset]
+    return store.row(TABLE_FOR_EVENT[event.type], event.record, topic, partition, offset)
 
 
 def insert_events(store: HistoryStore, events: list[Event]) -> None:

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from infra.bus import ensure_topics
+from schemas.token_ids import prompt_ids
 from schemas.topics import COMPLETIONS, FEEDBACK
 from infra.auth import KeyStore
 from tests.conftest import make_settings
@@ -118,8 +119,9 @@ def test_continue_shaped_request(served):
     assert r["prefix"].endswith("def greet(name):\n    return ") and r["suffix"] == "\n\nprint(greet('x'))\n"
     # Older Continue's near-greedy 0.01 is served at the exploration policy's default (recorded, both).
     assert r["prompt"] == CONTINUE_PROMPT and r["temperature"] == 0.7 and r["requested_temperature"] == 0.01
-    # The ids the model was fed (the prompt was not trimmed: the same as encoding it).
-    assert r["prompt_token_ids"] == served.server.engine.tokenizer.encode(CONTINUE_PROMPT, add_special_tokens=False)
+    # The ids the model was fed (the prompt was not trimmed: the same as encoding it), packed (v5), the
+    # array left empty.
+    assert r["prompt_token_ids"] == [] and prompt_ids(r) == served.server.engine.tokenizer.encode(CONTINUE_PROMPT, add_special_tokens=False)
     assert len(r["completion_token_ids"]) == len(r["completion_logprobs"]) >= 1
 
 

@@ -5,6 +5,7 @@ read episodes by these same rules."""
 from __future__ import annotations
 
 from policy.sampling import GREEDY_TEMPERATURE
+from schemas.token_ids import prompt_ids
 from trainer.policy import Sample, make_sample
 
 
@@ -57,8 +58,9 @@ def episode_sample(episode: dict, tokenizer, *, max_prompt_tokens: int) -> Sampl
     What was served is trained as it was served:
     - the completion is the event's ``completion_token_ids``, the tokens the user saw plus the one that ended
       them (decided at serving time), never re-derived from the text;
-    - the prompt is the event's ``prompt_token_ids``, the ids the replica fed the model after its trim;
-      only episodes written before they were recorded (``[]``) re-encode the prompt text;
+    - the prompt is the ids the replica fed the model after its trim (``schemas.token_ids.prompt_ids``:
+      packed, or the ``prompt_token_ids`` array of episodes written before v8); only episodes written
+      before they were recorded (neither) re-encode the prompt text;
     - the ratio is taken under the episode's temperature and top-p, the distribution the tokens were drawn
       from and the behaviour logprobs describe.
     """
@@ -73,5 +75,5 @@ def episode_sample(episode: dict, tokenizer, *, max_prompt_tokens: int) -> Sampl
     if not token_ids:
         return None
     return make_sample(tokenizer, episode["prompt"] or " ", token_ids, behaviour, 0.0,
-                       max_prompt_tokens=max_prompt_tokens, prompt_ids=episode.get("prompt_token_ids") or None,
+                       max_prompt_tokens=max_prompt_tokens, prompt_ids=prompt_ids(episode) or None,
                        temperature=temperature, top_p=top_p)

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Iterator
 
 from infra.settings import Settings
 from schemas.events import EVENT_TYPES, Event
+from schemas.token_ids import PACKED, packed_field
 from schemas.topics import CATALOG, COMPLETIONS, FEEDBACK, KEEP_FOREVER, Topic
 from streams.join import JoinConfig, JoinPipeline, millis
 from streams.rewards import RewardSpecs
@@ -85,13 +86,16 @@ def utc(t: Any) -> datetime:
 
 
 def canonical(type_name: str, record: dict) -> dict:
-    """A record with only its schema's fields, timestamps as aware UTC datetimes."""
+    """A record with only its schema's fields, timestamps as aware UTC datetimes, packed ids as bytes (a
+    history table holds them as Array(UInt32))."""
     et = EVENT_TYPES[type_name]
     out = {}
     for f in et.schema_json["fields"]:
         value = record.get(f["name"], et.defaults.get(f["name"]))
         if isinstance(f["type"], dict) and f["type"].get("logicalType") == "timestamp-millis":
             value = utc(value)
+        elif f["name"] == PACKED:
+            value = packed_field(value)
         out[f["name"]] = value
     return out
 

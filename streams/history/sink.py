@@ -46,6 +46,7 @@ from infra.bus import gave_up
 from infra.settings import TABLE_FOR_EVENT, Settings, parse_retention
 from schemas.codec import EventDecodeError
 from schemas.events import EVENT_TYPES, EventType
+from schemas.token_ids import PACKED, packed_field, unpack_ids
 from schemas.topics import CATALOG
 # The read-only query path (guard, readers, caps) lives there; NotReadOnly and HistoryBusy stay importable here.
 from streams.history.guard import HistoryBusy, NotReadOnly, QueryLimits, ReaderPool  # noqa: F401
@@ -62,6 +63,11 @@ SORT_KEY = {"completions": ("project_id", "event_id"), "feedback": ("project_id"
             "episodes": ("project_id", "event_id"), "weights": ("base_model", "event_id"),
             "deadletter": ("source_topic", "event_id"), "gates": ("project_id", "event_id")}
 SOURCE_COLUMNS = (("_topic", "LowCardinality(String)"), ("_partition", "Int32"), ("_offset", "Int64"))
+# Fields of packed little-endian uint32 token ids (schemas.token_ids): stored as Array(UInt32), numbers a query
+# reads as such. The engine unpacks them itself, at the cost of a copy: the Avro rows fill an EPHEMERAL
+# String column of the bytes (the field's name + RAW_SUFFIX) and the array is computed from it by reinterpret.
+PACKED_FIELDS = frozenset({PACKED})
+RAW_SUFFIX = "_bytes"
 # File extensions → language, for the acceptance view's language axis.
 LANGUAGES = {
     "py": "python", "pyi": "python", "ts": "typescript", "tsx": "typescript", "js": "javascript",
@@ -108,13 +114,28 @@ def clickhouse_type(avro: Any) -> str:
 
 def event_columns(et: EventType) -> list[tuple[str, str]]:
     """(name, ClickHouse type) of every field of the event type's current schema, in schema order."""
-    return [(f["name"], clickhouse_type(f["type"])) for f in et.schema_json["fields"]]
+    return [(f["name"], "Array(UInt32)" if f["name"] in PACKED_FIELDS else clickhouse_type(f["type"]))
+            for f in et.schema_json["fields"]]
+
+
+def column_definitions(et: EventType) -> list[tuple[str, str]]:
+    """(name, definition) of the columns that hold the event's fields: ``event_columns``, each packed-ids
+    column preceded by the EPHEMERAL column of its bytes and computed from them (PACKED_FIELDS)."""
+    out = []
+    for name, ch_type in event_columns(et):
+        if name in PACKED_FIELDS:
+            out += [(name + RAW_SUFFIX, "String EPHEMERAL"),
+                    (name, f"{ch_type} DEFAULT reinterpret(`{name + RAW_SUFFIX}`, '{ch_type}')")]
+        else:
+            out.append((name, ch_type))
+    return out
 
 
 def table_ddl(database: str, table: str, retention_days: int) -> str:
     """CREATE TABLE for one event table: partitioned by day of event time, deduplicated by event_id."""
     et = EVENT_TYPES[EVENT_FOR_TABLE[table]]
-    columns = event_columns(et) + list(SOURCE_COLUMNS) + [("_stored_at", "DateTime64(3, 'UTC') DEFAULT now64(3)")]
+    columns = (column_definitions(et) + list(SOURCE_COLUMNS)
+               + [("_stored_at", "DateTime64(3, 'UTC') DEFAULT now64(3)")])
     body = ",\n  ".join(f"`{n}` {t}" for n, t in columns)
     ttl = f"\nTTL toDateTime({et.time_field}) + INTERVAL {retention_days} DAY" if retention_days > 0 else ""
     return (f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n  {body},\n"
@@ -311,7 +332,7 @@ class HistoryStore:
                 self.client.command(table_ddl(db, table, self.retention.get(table, 0)))
                 have = {r[0] for r in self.client.query(
                     f"SELECT name FROM system.columns WHERE database = '{db}' AND table = '{table}'").result_rows}
-                for name, ch_type in event_columns(EVENT_TYPES[EVENT_FOR_TABLE[table]]):
+                for name, ch_type in column_definitions(EVENT_TYPES[EVENT_FOR_TABLE[table]]):
                     if name not in have:  # a field added to the schema (with a default) since the table was made
                         self.client.command(f"ALTER TABLE {db}.{table} ADD COLUMN IF NOT EXISTS `{name}` {ch_type}")
                         actions.append(f"{table}: added column {name}")
@@ -339,8 +360,14 @@ class HistoryStore:
     def columns(self, table: str) -> list[str]:
         return self._columns[table]
 
+    def row(self, table: str, record: Mapping[str, Any], topic: str, partition: int, offset: int) -> list[Any]:
+        """A row for ``insert``: the event's fields in column order (packed ids as numbers), then its source."""
+        return [unpack_ids(packed_field(record.get(c))).tolist() if c in PACKED_FIELDS else record.get(c)
+                for c in self._columns[table]] + [topic, partition, offset]
+
     def insert(self, table: str, rows: list[list[Any]], source_columns: bool = True) -> None:
-        """Insert rows (event fields in schema order, then _topic, _partition, _offset)."""
+        """Insert rows (event fields in schema order, packed ids as lists of ints, then _topic, _partition,
+        _offset)."""
         if not rows:
             return
         names = self._columns[table] + ([n for n, _ in SOURCE_COLUMNS] if source_columns else [])
@@ -380,12 +407,15 @@ class HistoryStore:
             import fastavro
 
             et = EVENT_TYPES[EVENT_FOR_TABLE[table]]
+            # Packed ids go to their EPHEMERAL bytes column (PACKED_FIELDS): renamed here, the body unchanged.
+            fields = [{**f, "name": f["name"] + RAW_SUFFIX} if f["name"] in PACKED_FIELDS else f
+                      for f in et.schema_json["fields"]]
             schema = {**et.schema_json, "name": f"{et.name}HistoryRow", "fields": [
                 {"name": "_topic", "type": "string"}, {"name": "_partition", "type": "int"},
-                {"name": "_offset", "type": "long"}, *et.schema_json["fields"]]}
+                {"name": "_offset", "type": "long"}, *fields]}
             out = io.BytesIO()
             fastavro.writer(out, fastavro.parse_schema(schema), [], sync_marker=_SYNC)  # the header only
-            cached = self._avro_headers[table] = (out.getvalue(), [n for n, _ in SOURCE_COLUMNS] + self._columns[table])
+            cached = self._avro_headers[table] = (out.getvalue(), [f["name"] for f in schema["fields"]])
         return cached
 
     def insert_rejects(self, rows: list[list[Any]]) -> None:
@@ -622,8 +652,7 @@ class HistorySink:
             rejects.append([r.topic, r.partition, r.offset,
                             r.key.decode(errors="replace") if r.key is not None else None, r.value, error])
             return
-        record = event.record
-        rows[table].append([record.get(c) for c in self.store.columns(table)] + [r.topic, r.partition, r.offset])
+        rows[table].append(self.store.row(table, event.record, r.topic, r.partition, r.offset))
 
     def step(self, stop: threading.Event | None = None) -> int:
         """One batch: poll, store, then commit. Returns the number of messages handled."""
