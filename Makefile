@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tabloop-installed
+# Tests run side by side in this many pytest-xdist workers, each with its own broker (tests/conftest.py).
+# Most of a test's time is waiting (for a broker, a worker, a child process): two cores carry more than two.
+TEST_WORKERS  ?= 2
+DRILL_WORKERS ?= 4
 
 .PHONY: up down status test drills install kafka-jars continue-harness bench clean
 
@@ -39,14 +43,15 @@ $(CONTINUE_STAMP): tests/continue/package-lock.json
 
 continue-harness: $(CONTINUE_STAMP)
 
-# The test session starts its own broker on a free port and stops it at the end.
+# Each test worker starts its own broker on a free port and stops it at the end. A file's tests stay in
+# one worker (loadfile), so a module's fixtures start once.
 test: kafka-jars continue-harness
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Long end-to-end runs: the streams worker on 10k/10k events, SIGKILL mid-stream, dead letters;
 # tabloop up/down end to end with crashed components restarted.
 drills: kafka-jars
-	$(BIN)/python -m pytest -m drill
+	$(BIN)/python -m pytest -m drill -n $(DRILL_WORKERS) --dist load
 
 bench: kafka-jars
 	$(BIN)/tabloop bench codec

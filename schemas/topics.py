@@ -41,6 +41,9 @@ GATES = Topic("tabloop.gates", "GateVersion", COMPACTED, partitions=1)
 
 CATALOG: tuple[Topic, ...] = (COMPLETIONS, FEEDBACK, EPISODES, WEIGHTS, DEADLETTER, GATES)
 TOPIC_BY_NAME = {t.name: t for t in CATALOG}
+TICK_KEY = b"__tick__"
+"""The key of the streams worker's clock ticks on its own (internal) topics: time, not data (lag probes skip
+them)."""
 TOPIC_FOR_EVENT = {t.event_type: t for t in CATALOG}
 
 

@@ -33,7 +33,7 @@ from infra.settings import Settings
 from schemas.codec import EventDecodeError
 from schemas.events import Event, new_event
 from schemas.token_ids import packed_text
-from schemas.topics import CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, Topic
+from schemas.topics import CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, TICK_KEY, Topic
 from streams.join import REUSE_MARK, EpisodeJoiner, JoinConfig, PromptMatcher, millis, reuse_key
 from streams.rewards import RewardSpecs
 from streams.scoring import Scorers, rescored
@@ -436,7 +436,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         value = json.dumps({"kind": "tick", "now": int(time.time() * 1000)}).encode()
         for topic in (by_prompt, by_completion):
             for partition in range(settings.topic_partitions):
-                ticker.produce(topic.get_topic_name(), value, key=b"__tick__", partition=partition)
+                ticker.produce(topic.get_topic_name(), value, key=TICK_KEY, partition=partition)
         ticker.poll(0)
 
     return app

@@ -181,10 +181,10 @@ class Probes:
         ready = None if state.startswith("unknown") else state == "STABLE" and bool(joined)
         return ready, f"group {group} {state}, {len(members)} member(s), {len(joined)} joined since this start"
 
-    def lag(self, group: str) -> int | None:
-        """Events of the event log (the catalog's topics) the group has not committed yet; None when it has
-        committed nothing there (or Kafka does not answer)."""
-        return self.kafka.ask("lag", group)
+    def lag(self, group: str, internal: bool = False) -> int | None:
+        """Events of the event log (the catalog's topics; with ``internal``, the group's own topics too) the
+        group has not committed yet; None when it has committed nothing there (or Kafka does not answer)."""
+        return self.kafka.ask("lag", group, internal)
 
     def close(self) -> None:
         self.kafka.close()
@@ -268,7 +268,7 @@ def _answer_kafka_probes(conn, settings: Settings) -> None:
 
     admin = admin_client(settings)
     questions = {"group_state": _group_state,
-                 "lag": lambda admin, group: _group_lag(admin, settings, group)}
+                 "lag": lambda admin, group, internal=False: _group_lag(admin, settings, group, internal)}
     while True:
         try:
             question, args = conn.recv()
@@ -285,11 +285,14 @@ def _group_state(admin, group: str) -> tuple[tuple[str, set[str]], bool]:
     return (desc.state.name, {m.member_id for m in desc.members}), False
 
 
-def _group_lag(admin, settings: Settings, group: str) -> tuple[int | None, bool]:
+def _group_lag(admin, settings: Settings, group: str, internal: bool = False) -> tuple[int | None, bool]:
     """Records of the event log (the catalog's topics) the group has not committed yet; None when it has
     committed nothing there.
 
-    A worker's internal topics are left out (the worker's own business). A partition written in
+    A worker's internal topics (``{group}-…``: its repartitions) are left out, the worker's own business,
+    unless ``internal``: then their records count too, its clock ticks excepted (``schemas.topics.TICK_KEY``:
+    one a second into every partition, they never stand at 0) — a worker that read all its input may still
+    hold records between its stages, and a test waiting for it to settle must see them. A partition written in
     transactions ends with a commit marker that no reader ever gets, and a reader commits the offset
     after the last record it processed, which is the marker's: so where a partition's end is only a
     few offsets past the commit, the records a read_committed reader would actually get there are
@@ -306,6 +309,9 @@ def _group_lag(admin, settings: Settings, group: str) -> tuple[int | None, bool]
         parts = [tp for tp in committed.topic_partitions if tp.offset >= 0 and tp.topic in event_log]
         if not parts:
             return None, False
+        if internal:
+            parts += [tp for tp in committed.topic_partitions
+                      if tp.offset >= 0 and tp.topic.startswith(f"{group}-") and not tp.topic.endswith("-changelog")]
         # read_committed: the end a transactional reader can reach (Faust writes in transactions).
         ends = admin.list_offsets({tp: OffsetSpec.latest() for tp in parts},
                                   isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=3)
@@ -313,7 +319,8 @@ def _group_lag(admin, settings: Settings, group: str) -> tuple[int | None, bool]
         for tp in parts:
             end = next(f for k, f in ends.items() if (k.topic, k.partition) == (tp.topic, tp.partition))
             behind[(tp.topic, tp.partition)] = (tp.offset, end.result(timeout=5).offset)
-        near = {k: span for k, span in behind.items() if 0 < span[1] - span[0] <= MARKER_SLACK}
+        near = {k: span for k, span in behind.items()
+                if 0 < span[1] - span[0] <= (TICKS_SLACK if k[0] not in event_log else MARKER_SLACK)}
         counted = _readable(settings, near) if near else {}
         return sum(counted.get(k, max(0, end - start)) for k, (start, end) in behind.items()), False
     except Exception:
@@ -321,12 +328,16 @@ def _group_lag(admin, settings: Settings, group: str) -> tuple[int | None, bool]
 
 
 MARKER_SLACK = 10  # spans this short are read to count their records exactly (commit markers are not records)
+TICKS_SLACK = 200  # on internal topics: a few commit intervals of ticks, read to leave them out
 
 
 def _readable(settings: Settings, spans: dict[tuple[str, int], tuple[int, int]],
               timeout_s: float = 3.0) -> dict[tuple[str, int], int]:
-    """For each (topic, partition): how many records a read_committed reader gets in [start, end)."""
+    """For each (topic, partition): how many records a read_committed reader gets in [start, end), the
+    streams worker's clock ticks left out."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    from schemas.topics import TICK_KEY
 
     reader = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "tabloop-lag-probe",
                        "enable.auto.commit": False, "isolation.level": "read_committed",
@@ -347,7 +358,7 @@ def _readable(settings: Settings, spans: dict[tuple[str, int], tuple[int, int]],
                     reading.discard(key)
                 continue
             end = spans[key][1]
-            counts[key] += m.offset() < end
+            counts[key] += m.offset() < end and m.key() != TICK_KEY
             if m.offset() + 1 >= end:
                 reading.discard(key)
         for key in reading:  # no answer in time: count the whole span, as without this check

@@ -25,11 +25,13 @@ BUDGET_VARS = {"drill": "CI_DRILL_BUDGET_S", "test": "CI_TEST_BUDGET_S"}
 # tests/test_ci_budget.py can spend a budget in seconds, not minutes.
 BUDGET_FLOOR_S = float(os.environ.get("CI_BUDGET_FLOOR_S", 30))
 # The line each session ends with, per kind that ran under a budget; `.ci/run` greps it (keep them in step).
+NOT_RUN_PREFIX = "not run:"  # how a test left out for the budget fails
 NOT_RUN_LINE = "ci: {n} tests not run for the time budget of the {kind}s ({var}={budget:.0f} s)"
 
 _budget_started = pytest.StashKey[dict]()
 _budget_spent = pytest.StashKey[tuple]()
 _budget_not_run = pytest.StashKey[dict]()
+_session_config = None  # for the report hook, which is given no config
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -53,18 +55,30 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_runtest_setup(item):
     if _budget_spent in item.stash:
         kind, used = item.stash[_budget_spent]
-        not_run = item.config.stash.setdefault(_budget_not_run, {})
-        not_run[kind] = not_run.get(kind, 0) + 1
-        pytest.fail(f"not run: the time budget of the {kind}s ({BUDGET_VARS[kind]}={BUDGETS_S[kind]:.0f} s) is "
-                    f"spent ({used:.0f} s since the first started)", pytrace=False)
+        pytest.fail(f"{NOT_RUN_PREFIX} the time budget of the {kind}s ({BUDGET_VARS[kind]}={BUDGETS_S[kind]:.0f} s) "
+                    f"is spent ({used:.0f} s since the first started)", pytrace=False)
+
+
+def pytest_configure(config):
+    global _session_config
+    _session_config = config
+
+
+def pytest_runtest_logreport(report):
+    """Counted from the reports, not from the items: under pytest-xdist the tests run in worker processes,
+    and only their reports reach the process that prints the summary."""
+    kind = "drill" if "drill" in report.keywords else "test"
+    if report.when != "setup" or BUDGETS_S[kind] == float("inf"):
+        return
+    counts = _session_config.stash.setdefault(_budget_not_run, {})
+    counts[kind] = counts.get(kind, 0) + (report.failed and str(report.longrepr).startswith(NOT_RUN_PREFIX))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line per kind of test that ran under a budget, also when none was left out: the CI log always
     says how many were not run for the time, instead of leaving them among the failures."""
-    not_run = config.stash.get(_budget_not_run, {})
-    for kind in config.stash.get(_budget_started, {}):
-        terminalreporter.write_line(NOT_RUN_LINE.format(n=not_run.get(kind, 0), kind=kind, var=BUDGET_VARS[kind],
+    for kind, n in config.stash.get(_budget_not_run, {}).items():
+        terminalreporter.write_line(NOT_RUN_LINE.format(n=n, kind=kind, var=BUDGET_VARS[kind],
                                                         budget=BUDGETS_S[kind]))
 
 

@@ -58,9 +58,10 @@ def wait(predicate, timeout_s: float, what: str, explain=None, poll_s: float = 0
                          + (f"\n{explain()}" if explain else ""))
 
 
-def worker_lag(settings, group: str = "tabloop-streams", probes=None) -> int | None:
-    """Records of the event log ``group`` has not committed yet, as ``tabloop status`` counts them (None:
-    nothing committed yet, or the broker did not answer). Asked of a child process, as the supervisor asks
+def worker_lag(settings, group: str = "tabloop-streams", probes=None, internal: bool = True) -> int | None:
+    """Records ``group`` has not committed yet: of the event log, as ``tabloop status`` counts them, and
+    (``internal``) of its own topics between its stages, clock ticks left out (None: nothing committed yet,
+    or the broker did not answer). Asked of a child process, as the supervisor asks
     (``KafkaProbeProcess``): librdkafka's admin client can segfault in ListConsumerGroupOffsets
     (rd_kafka_cgrp_op, seen here against a broker just started), which in-process would end the test run."""
     from tabloop.supervisor import KafkaProbeProcess
@@ -68,7 +69,7 @@ def worker_lag(settings, group: str = "tabloop-streams", probes=None) -> int | N
     own = probes is None
     probes = probes or KafkaProbeProcess(settings)
     try:
-        return probes.ask("lag", group)
+        return probes.ask("lag", group, internal)
     finally:
         if own:
             probes.close()

@@ -30,7 +30,7 @@ def test_left_out_too():
 """
 
 
-def inner_session(pytester, monkeypatch, tests: str, **environ: str):
+def inner_session(pytester, monkeypatch, tests: str, *options: str, **environ: str):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the conftest imports infra.*
     for name in ("CI_TEST_BUDGET_S", "CI_DRILL_BUDGET_S", "CI_BUDGET_FLOOR_S"):
         monkeypatch.delenv(name, raising=False)
@@ -38,13 +38,23 @@ def inner_session(pytester, monkeypatch, tests: str, **environ: str):
         monkeypatch.setenv(name, value)
     pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
     pytester.makepyfile(tests)
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *options)
 
 
 def test_the_tests_left_out_for_the_budget_are_counted(pytester, monkeypatch):
     result = inner_session(pytester, monkeypatch, SPENDS_THE_BUDGET, CI_TEST_BUDGET_S="10", CI_BUDGET_FLOOR_S="9")
     result.assert_outcomes(passed=1, errors=2)  # they fail at setup
     result.stdout.fnmatch_lines(["*not run: the time budget of the tests (CI_TEST_BUDGET_S=10 s) is spent*"])
+    assert "ci: 2 tests not run for the time budget of the tests (CI_TEST_BUDGET_S=10 s)" in result.outlines
+
+
+def test_the_tests_left_out_are_counted_across_xdist_workers(pytester, monkeypatch):
+    """`make test` and `make drills` run under pytest-xdist: the tests run in worker processes and the count
+    is printed by the one that gathers their reports. (loadfile: the file's three tests go to one worker, whose
+    budget the first spends.)"""
+    result = inner_session(pytester, monkeypatch, SPENDS_THE_BUDGET, "-n", "2", "--dist", "loadfile",
+                           CI_TEST_BUDGET_S="10", CI_BUDGET_FLOOR_S="9")
+    result.assert_outcomes(passed=1, errors=2)
     assert "ci: 2 tests not run for the time budget of the tests (CI_TEST_BUDGET_S=10 s)" in result.outlines
 
 

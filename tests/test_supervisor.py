@@ -179,6 +179,47 @@ def test_lag_does_not_count_commit_markers(kafka, tmp_path):
 
 
 @pytest.mark.kafka
+def test_lag_with_internal_topics_counts_what_waits_between_stages_but_not_ticks(kafka, tmp_path):
+    """A worker that committed all of its input may still hold records in its own topics between stages:
+    ``tabloop status`` leaves those out, the tests' "settled" rule (``tests/system_helpers.Quiet``) counts
+    them. The worker's clock ticks never stand still at 0, so they are not counted."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from infra.bus import ensure_topics
+    from schemas.topics import COMPLETIONS, TICK_KEY, Topic
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    group = f"stages-{os.getpid()}-{tmp_path.name}"
+    between = f"{group}-by-prompt"
+    ensure_topics(settings, (COMPLETIONS, Topic(between, "(internal)", {})))
+    writer = Producer({"bootstrap.servers": settings.kafka_bootstrap})
+    delivered: dict[str, list[int]] = {}
+
+    def write(topic, key, value):
+        writer.produce(topic, value=value, key=key, partition=0,
+                       on_delivery=lambda err, msg: delivered.setdefault(msg.topic(), []).append(msg.offset()))
+
+    write(COMPLETIONS.name, b"k", b"input")
+    write(between, TICK_KEY, b"{}")
+    write(between, b"k", b"waiting between stages")
+    write(between, TICK_KEY, b"{}")
+    assert writer.flush(30) == 0
+    reader = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": group, "enable.auto.commit": False})
+    probes = sv.Probes(settings)
+    try:
+        # All of the input read; between the stages, nothing yet.
+        reader.commit(offsets=[TopicPartition(COMPLETIONS.name, 0, max(delivered[COMPLETIONS.name]) + 1),
+                               TopicPartition(between, 0, min(delivered[between]))], asynchronous=False)
+        assert _wait(lambda: [n for n in [probes.lag(group)] if n is not None], 30, "an answer")[0] == 0
+        assert probes.lag(group, internal=True) == 1  # the record, not the two ticks
+        reader.commit(offsets=[TopicPartition(between, 0, max(delivered[between]) + 1)], asynchronous=False)
+        assert probes.lag(group, internal=True) == 0
+    finally:
+        reader.close()
+        probes.close()
+
+
+@pytest.mark.kafka
 def test_kafka_probes_run_in_a_process_whose_death_the_caller_survives(kafka, tmp_path):
     """librdkafka aborts the process when the broker goes away during a coordinator request; the supervisor
     asks in a child process instead, so an abort there (here: SIGABRT, and a child that hangs) costs one answer."""
