@@ -34,6 +34,7 @@ from schemas.codec import EventDecodeError
 from schemas.events import Event, new_event
 from schemas.token_ids import packed_text
 from schemas.topics import CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, TICK_KEY, Topic
+from streams.clock import PartitionClock
 from streams.join import REUSE_MARK, EpisodeJoiner, JoinConfig, PromptMatcher, millis, reuse_key
 from streams.rewards import RewardSpecs
 from streams.scoring import Scorers, rescored
@@ -147,26 +148,37 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     completion_state = app.Table("completion-state", **table)
     due = {"prompt": ExpiryIndex(), "completion": ExpiryIndex()}
     app.tabloop_counts = counts = EpisodeJoiner().counts
-    # Event time per (stage, partition): expiry follows the events, so a worker that lags behind never
-    # closes a window early. After ``idle_close_ms`` without events, a partition's clock moves on with
-    # the wall clock, so the last windows close even when nothing new arrives.
-    clocks: dict[tuple[str, int], tuple[int, float]] = {}
+    # Event time per partition of each stage: expiry follows the events, so a worker that lags behind
+    # never closes a window early; an idle partition follows the wall clock after ``idle_close_ms``, once
+    # it has caught up with what it held when assigned (the rules: ``streams.clock``).
+    clocks = {"prompt": PartitionClock(config.idle_close_ms), "completion": PartitionClock(config.idle_close_ms)}
+    stage_of_topic = {by_prompt.get_topic_name(): "prompt", by_completion.get_topic_name(): "completion"}
 
     @app.on_partitions_assigned.connect
-    async def forget_expiry_index(sender, *args, **kwargs) -> None:
+    async def start_partitions_afresh(sender, assigned=(), *args, **kwargs) -> None:
         for index in due.values():
             index.reset()
+        for tp in assigned:
+            if tp.topic in stage_of_topic:
+                clocks[stage_of_topic[tp.topic]].assigned(tp.partition)
 
-    def advance(stage: str, partition: int, record: dict, field: str) -> None:
+    def learn_end_offset(clock: PartitionClock, tp) -> None:
+        """The partition's end as the consumer last heard it from the broker (a fetch of this partition
+        has come back, since one of its records is being processed): the offset to catch up with."""
+        try:
+            end = app.consumer.highwater(tp)
+        except Exception:  # not known yet (a consumer between assignments): the next tick asks again
+            log.debug("no end offset for %s yet", tp, exc_info=True)
+            return
+        if end is not None:  # -1 (no stable offset outside read_committed): nothing to wait for
+            clock.set_end_offset(tp.partition, max(end, 0))
+            log.info("%s[%d]: idle windows close by the wall clock once it is read up to offset %d, its end now",
+                     tp.topic, tp.partition, max(end, 0))
+
+    def advance(stage: str, event, record: dict, field: str) -> None:
         t = millis(record[field]) if record.get(field) is not None else 0
-        event_time, _ = clocks.get((stage, partition), (0, 0.0))
-        clocks[(stage, partition)] = (max(event_time, t), time.time() * 1000)
-
-    def now_for(stage: str, partition: int, wall_ms: int) -> int:
-        event_time, last_event_wall = clocks.get((stage, partition), (0, 0.0))
-        if event_time == 0:  # nothing seen since start: state restored from the changelog ages by the wall
-            return wall_ms - config.idle_close_ms
-        return event_time + max(0, int(wall_ms - last_event_wall) - config.idle_close_ms)
+        clocks[stage].advance(event.message.partition, t, time.time() * 1000,
+                              resent=bool(event.value.get("resent")))
 
     async def dead_letter(event, error: Exception) -> None:
         counts["dead_letters"] += 1
@@ -266,7 +278,9 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     async def on_tick(stage: str, state_table, event, expire_key) -> None:
         """Expire the keys of this partition that are due (the tick's partition: a table write is
         logged to the partition being processed)."""
-        partition = event.message.partition
+        partition, clock = event.message.partition, clocks[stage]
+        if clock.end_offset(partition) is None:
+            learn_end_offset(clock, event.message.tp)
         index = due[stage]
         if partition not in index.built:
             deadline_of = prompt_deadline if stage == "prompt" else completion_deadline
@@ -274,7 +288,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
                 if state.get("p") == partition:
                     index.schedule(partition, key, deadline_of(state, config))
             index.built.add(partition)
-        now = now_for(stage, partition, event.value["now"])
+        now = clock.now(partition, event.value["now"])
         for key in index.pop_due(partition, now):
             if key in state_table:
                 await expire_key(key, partition, now)
@@ -301,11 +315,12 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
 
     async def match_one(event) -> None:
         key, value, partition = event.key, event.value, event.message.partition
+        clocks["prompt"].consumed(partition, event.message.offset)
         if value["kind"] == "tick":
             return await on_tick("prompt", prompt_state, event, expire_prompt)
         m = matcher_for(key)
         rec = value["record"]
-        advance("prompt", partition, rec, time_field(value))
+        advance("prompt", event, rec, time_field(value))
         if value["kind"] == "completion":
             for cid, fb in m.on_completion(rec):
                 await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": fb})
@@ -319,11 +334,13 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         m.stream_time = max(m.stream_time, now)
         for fb in m.expire():
             if not m.reuse and (reuse := reuse_key(fb)) is not None:
-                # No completion had its prompt: one more try, as feedback on a reused suggestion.
-                await by_prompt.send(key=_key_bytes(reuse), value={"kind": "feedback", "record": fb})
+                # No completion had its prompt: one more try, as feedback on a reused suggestion. Marked as
+                # the worker's own re-send: its time was counted here, it is no news where it lands.
+                await by_prompt.send(key=_key_bytes(reuse), value={"kind": "feedback", "record": fb,
+                                                                   "resent": True})
                 continue
             await by_completion.send(key=_identity_key(fb), value={"kind": "unmatched", "record": fb,
-                                                                   "why": "unmatched"})
+                                                                   "why": "unmatched", "resent": True})
         save_matcher(key, m, partition)
 
     @app.agent(by_prompt)
@@ -359,11 +376,12 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
 
     async def join_one(event) -> None:
         key, value, partition = event.key, event.value, event.message.partition
+        clocks["completion"].consumed(partition, event.message.offset)
         if value["kind"] == "tick":
             return await on_tick("completion", completion_state, event, expire_completion)
         j = joiner_for(key)
         rec = value["record"]
-        advance("completion", partition, rec, time_field(value))
+        advance("completion", event, rec, time_field(value))
         if value["kind"] == "completion":
             episodes = j.on_completion(rec)
         elif value["kind"] == "feedback":
