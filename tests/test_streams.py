@@ -262,6 +262,7 @@ def test_judge_and_tests_scores_reach_the_episodes(kafka, tmp_path):
     import json
 
     from policy.fim import build_fim_prompt
+    from schemas.token_ids import pack_ids, prompt_ids
     from tests.test_judge import FakeJudgeAPI, Reply
 
     api = FakeJudgeAPI()
@@ -281,7 +282,8 @@ def test_judge_and_tests_scores_reach_the_episodes(kafka, tmp_path):
             "CompletionServed", completion_id=cid, served_at=ts(now), project_id="p", user_id="u", model="tiny",
             policy_version=1, prompt=prompt, prompt_sha256=sha(prompt), completion_text=text,
             completion_token_ids=[1, 2], completion_logprobs=[-0.1, -0.2], finish_reason="stop", aborted=False,
-            temperature=0.2, top_p=1.0, max_tokens=16, ttft_ms=1.0, latency_ms=2.0, replica_id="r"))
+            temperature=0.2, top_p=1.0, max_tokens=16, ttft_ms=1.0, latency_ms=2.0, replica_id="r",
+            prompt_token_ids_packed=pack_ids([5, 6, 2**32 - 1])))  # through the worker's JSON stages as bytes
         events.append(new_event("FeedbackReceived", project_id="p", user_id="u", source="api", completion_id=cid,
                                 outcome=outcome, raw_payload="{}", received_at=ts(now + 5)))
     cache_hit = new_event("FeedbackReceived", project_id="p", user_id="u", source="continue-data",
@@ -303,6 +305,7 @@ def test_judge_and_tests_scores_reach_the_episodes(kafka, tmp_path):
     assert tested_ep["reward_components"] == pytest.approx({"acceptance": 0.75, "judge": judge, "tests": 0.75})
     assert tested_ep["reward"] == pytest.approx(0.5 * 0.75 + 0.3 * judge + 0.2 * 0.75)
     assert tested_ep["scorer"] == "acceptance+judge+tests" and tested_ep["scoring_errors"] == {}
+    assert prompt_ids(tested_ep) == prompt_ids(untested_ep) == [5, 6, 2**32 - 1]  # both through to-score
     assert untested_ep["reward_components"] == pytest.approx({"acceptance": -0.25, "judge": judge})
     assert untested_ep["reward"] == pytest.approx((0.5 * -0.25 + 0.3 * judge) / 0.8)
     assert got[f"unmatched-{cache_hit.event_id}"]["reward_components"] == {"acceptance": 0.75}  # nothing to judge
