@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from infra.settings import to_environ
+from infra.settings import Settings, to_environ
 from schemas.events import EVENT_TYPES
 from tests.conftest import make_settings
 from tests.system_helpers import processes_of
@@ -163,7 +163,9 @@ def test_the_history_bench_refuses_too_few_events_to_time(kafka, tiny_model, tmp
     """All of them would come in the first batch, which is not timed: it printed 0 rows/s."""
     out = bench("history", ["--events", "1000", "--episodes", "1000"], kafka, tiny_model, tmp_path)
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "--events 1000 is too few to time the sink" in out.stderr and "TABLOOP_HISTORY_BATCH_SIZE (5000)" in out.stderr
+    batch = Settings.model_fields["history_batch_size"].default
+    assert "--events 1000 is too few to time the sink" in out.stderr
+    assert f"TABLOOP_HISTORY_BATCH_SIZE ({batch})" in out.stderr and f"e.g. --events {6 * batch}" in out.stderr
 
 
 def test_the_pipeline_bench_refuses_more_workers_than_partitions(kafka, tiny_model, tmp_path):

@@ -4,8 +4,9 @@ One drill on one `tabloop up` (its own broker, free ports, a tmp state dir, the 
 that publishes a version every few episodes), phase by phase with simulated Continue users sending
 completions and feedback throughout: SIGKILL the front door, the streams worker, the trainer and the
 history sink in turn (the supervisor restarts each), then stop Kafka for 30 s and start it again on the
-same data. (Issue 30: one system for all five phases, not one per kind of fault, saves a whole-system
-start, drain and stop in CI's drills.)
+same data; last, stop Kafka and SIGKILL the front door and the streams worker while it is away (issue 32).
+(Issue 30: one system for all the phases, not one per kind of fault, saves a whole-system start, drain and
+stop in CI's drills.)
 
 Afterwards, from the topics and the history:
 
@@ -148,9 +149,33 @@ def _kafka_phase(settings, out: Path) -> tuple:
     return ("kafka", *load.finish(), (stopped_at, back_at + SLACK_S))
 
 
-# The components SIGKILLed in turn, then Kafka stopped. Kafka last: the kills run as they did when they had a
-# system of their own, on a broker that has not been away, and the drain comes right after the broker's restart.
-PHASES = ("serve", "streams", "trainer", "history", "kafka")
+def _kafka_and_kills_phase(settings, out: Path) -> tuple:
+    """Issue 32's combination: load, stop the broker, SIGKILL the front door and the streams worker while it is
+    away (the supervisor starts them again, without Kafka), start the broker again, let the load end. (Each
+    fault alone passed the drills while this one left episodes twice on the topic, committed.)"""
+    _all_healthy(settings)
+    load = Load(settings, out, "kafka-kills", duration_s=KAFKA_OUTAGE_S + 40)
+    wait(load.started, 60, "the simulator of phase kafka-kills to get answers")
+    time.sleep(3)
+    stopped_at = time.time()
+    stop = cli(settings, "kafka", "stop")
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    time.sleep(KAFKA_OUTAGE_S / 2)
+    killed = {name: row(status(settings), name)["pid"] for name in ("serve", "streams")}
+    for pid in killed.values():
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(KAFKA_OUTAGE_S / 2)
+    start = cli(settings, "kafka", "start", timeout=180)
+    assert start.returncode == 0, start.stdout + start.stderr
+    back_at = max(_healthy_again(settings, name, pid) for name, pid in killed.items())
+    return ("kafka-kills", *load.finish(), (stopped_at, back_at + SLACK_S))
+
+
+# The components SIGKILLed in turn, then Kafka stopped, then both at once. Kafka last: the kills run as they did
+# when they had a system of their own, on a broker that has not been away, and the drain comes right after the
+# broker's restart.
+PHASES = ("serve", "streams", "trainer", "history", "kafka", "kafka-kills")
+PHASE_RUNS = {"kafka": _kafka_phase, "kafka-kills": _kafka_and_kills_phase}
 
 
 @pytest.mark.drill
@@ -171,7 +196,7 @@ def test_faults_lose_nothing_acknowledged(tiny_model, tmp_path):
         up = cli(settings, "up", timeout=600)
         assert up.returncode == 0, up.stdout + up.stderr
         for name in PHASES:
-            phases.append(_kafka_phase(settings, out) if name == "kafka" else _kill_phase(settings, out, name))
+            phases.append(PHASE_RUNS[name](settings, out) if name in PHASE_RUNS else _kill_phase(settings, out, name))
         _all_healthy(settings, timeout_s=240)
 
         # Everything drained: the worker joined every feedback, the trainer saved what it trained, the sink

@@ -42,6 +42,9 @@ class Reply:
     headers: dict = field(default_factory=dict)
     delay_s: float = 0.0
     raw_body: str | None = None  # sent as-is instead of a chat completion
+    hold_until_in_flight: int = 0
+    """Held until this many requests are in flight at once (or every request the test sends has come:
+    ``FakeJudgeAPI.expected``): shows that the client does overlap its calls, on a machine of any speed."""
 
 
 class FakeJudgeAPI:
@@ -68,6 +71,9 @@ class FakeJudgeAPI:
         self.requests: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        self.expected: int | None = None
+        # A request still held from an earlier test (a client that gave up on it) must not count in this one's.
+        self.generation = getattr(self, "generation", 0) + 1
 
     def stop(self) -> None:
         self._server.should_exit = True
@@ -77,10 +83,18 @@ class FakeJudgeAPI:
     async def _chat(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append({"headers": dict(request.headers), "body": body})
+        generation = self.generation
         self.in_flight += 1  # one event loop: no lock needed
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             reply = self.script.pop(0) if self.script else self.default
+            if reply.hold_until_in_flight:
+                # Polled, not timed: the wait ends when the client has that many calls open. 30 s at most,
+                # for a client that never opens that many (its test then fails on max_in_flight).
+                for _ in range(3000):
+                    if self.in_flight >= reply.hold_until_in_flight or len(self.requests) == self.expected:
+                        break
+                    await asyncio.sleep(0.01)
             if reply.delay_s:
                 await asyncio.sleep(reply.delay_s)
             if reply.raw_body is not None:
@@ -97,7 +111,8 @@ class FakeJudgeAPI:
                           "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
             return JSONResponse(completion, headers=reply.headers)
         finally:
-            self.in_flight -= 1
+            if generation == self.generation:
+                self.in_flight -= 1
 
 
 @pytest.fixture(scope="module")
@@ -227,10 +242,9 @@ def test_5xx_gives_up_after_max_retries(api):
 
 
 def test_slower_than_the_timeout_is_retried_then_an_error(api):
-    api.default = Reply("SCORE: 5", delay_s=1.5)
-    started = time.monotonic()
+    api.default = Reply("SCORE: 5", delay_s=60)
     [result] = score_in_turn(config(api, timeout_s=0.2, max_retries=1), CALL)
-    assert time.monotonic() - started < 1.2  # did not wait for the slow answers
+    assert api.in_flight == 2  # it gave up on both while the API still held them: it did not wait for them
     assert result.score is None and result.attempts == 2
     assert "no answer" in result.error and "0.2 s" in result.error
     assert len(api.requests) == 2
@@ -264,10 +278,11 @@ def test_unreachable_api_is_an_error_after_retries():
 
 
 def test_concurrency_is_bounded(api):
-    # Each answer takes 0.5 s, so that all three slots are taken before the first answer frees one even on a
-    # loaded machine (at 0.1 s a CI run saw only two in flight).
-    api.default = Reply("SCORE: 7", delay_s=0.5)
+    # Each answer is held until three calls are open (a delay was not enough: at 0.5 s a loaded CI run saw
+    # only two in flight), so the calls overlap as far as the client allows, whatever the machine's speed.
+    api.default = Reply("SCORE: 7", hold_until_in_flight=3)
     calls = [(PREFIX, SUFFIX, f"return a + b  # {i}") for i in range(20)]
+    api.expected = len(calls)  # the last two are not held for a third that never comes
 
     async def go():
         async with JudgeClient(config(api, max_concurrency=3)) as client:

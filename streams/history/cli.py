@@ -187,8 +187,9 @@ def replay(ctx: click.Context, topic: str | None, dry_run: bool, source: str, si
 
 
 @click.command("history")
-@click.option("--events", "n", type=click.IntRange(min=1000), default=60_000, show_default=True,
-              help="Events through Kafka into the sink (completions, feedback, episodes in equal parts).")
+@click.option("--events", "n", type=click.IntRange(min=1000), default=120_000, show_default=True,
+              help="Events through Kafka into the sink (completions, feedback, episodes in equal parts); six "
+                   "batches of the default TABLOOP_HISTORY_BATCH_SIZE, of which the first is not timed.")
 @click.option("--episodes", type=click.IntRange(min=1000), default=1_000_000, show_default=True,
               help="Episodes in the table the acceptance query runs over.")
 @click.pass_context
@@ -202,7 +203,7 @@ def bench_history(ctx: click.Context, n: int, episodes: int) -> None:
         # The first batch waits for the consumer group to form and is not timed: with fewer events than
         # that the rate would be of one or two batches, or of nothing at all (it printed 0 rows/s).
         _fail(f"--events {n} is too few to time the sink: give more than twice TABLOOP_HISTORY_BATCH_SIZE "
-              f"({s.history_batch_size}), e.g. --events {max(60_000, 4 * s.history_batch_size)}")
+              f"({s.history_batch_size}), e.g. --events {max(120_000, 6 * s.history_batch_size)}")
     if not broker_answers(s):
         _fail(f"no Kafka answers on {s.kafka_bootstrap}: run `tabloop kafka start` first")
     run(s, n, episodes)
