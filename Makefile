@@ -51,7 +51,7 @@ test: kafka-jars continue-harness
 # Long end-to-end runs: the streams worker on 10k/10k events, SIGKILL mid-stream, dead letters;
 # tabloop up/down end to end with crashed components restarted.
 drills: kafka-jars
-	$(BIN)/python -m pytest -m drill -n $(DRILL_WORKERS) --dist load
+	$(BIN)/python -m pytest -m drill -n $(DRILL_WORKERS) --dist load --durations=20
 
 bench: kafka-jars
 	$(BIN)/tabloop bench codec

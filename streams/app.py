@@ -175,6 +175,15 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
             log.info("%s[%d]: idle windows close by the wall clock once it is read up to offset %d, its end now",
                      tp.topic, tp.partition, max(end, 0))
 
+    def reading_position(event) -> dict:
+        """When a record was read and where its partition ended then (the consumer's last word on it): a
+        record behind it means a backlog, not an idle partition (``streams.clock``)."""
+        try:
+            end = app.consumer.highwater(event.message.tp)
+        except Exception:  # between assignments: not known
+            end = None
+        return {"wall_ms": time.time() * 1000, "end_offset": end}
+
     def advance(stage: str, event, record: dict, field: str) -> None:
         t = millis(record[field]) if record.get(field) is not None else 0
         clocks[stage].advance(event.message.partition, t, time.time() * 1000,
@@ -315,7 +324,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
 
     async def match_one(event) -> None:
         key, value, partition = event.key, event.value, event.message.partition
-        clocks["prompt"].consumed(partition, event.message.offset)
+        clocks["prompt"].consumed(partition, event.message.offset, **reading_position(event))
         if value["kind"] == "tick":
             return await on_tick("prompt", prompt_state, event, expire_prompt)
         m = matcher_for(key)
@@ -376,7 +385,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
 
     async def join_one(event) -> None:
         key, value, partition = event.key, event.value, event.message.partition
-        clocks["completion"].consumed(partition, event.message.offset)
+        clocks["completion"].consumed(partition, event.message.offset, **reading_position(event))
         if value["kind"] == "tick":
             return await on_tick("completion", completion_state, event, expire_completion)
         j = joiner_for(key)

@@ -185,6 +185,43 @@ def stalled_partitions(settings, settle_s: float = 20.0) -> dict:
             if pos[0] < pos[1] and (tp not in first or first[tp][0] == pos[0] or not tp[0].startswith("tabloop-"))}
 
 
+def feedback_waiting(settings, app_id: str = "tabloop-streams", timeout_s: float = 30.0) -> int:
+    """Feedback the streams worker holds in its tables, still waiting for a completion (``waiting`` in its
+    prompt state, ``early`` in its completion state): what could still become an episode by time alone (an
+    unmatched one, once its lateness has passed). Read from the tables' changelogs as a restarted worker
+    restores them: read_committed, the last value of each key.
+
+    A drill that has its episodes waits for this to reach 0 (and the worker's lag, internal topics included)
+    before it reads the topic for the last time, instead of sleeping out the lateness and the idle close."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    reader = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "tabloop-tests-state",
+                       "enable.auto.commit": False, "isolation.level": "read_committed",
+                       "enable.partition.eof": True})
+    try:
+        topics = {f"{app_id}-prompt-state-changelog": "waiting", f"{app_id}-completion-state-changelog": "early"}
+        metadata = reader.list_topics(timeout=10).topics
+        parts = [TopicPartition(t, p, 0) for t in topics if t in metadata for p in metadata[t].partitions]
+        reader.assign(parts)
+        latest, reading = {}, {(tp.topic, tp.partition) for tp in parts}
+        deadline = time.monotonic() + timeout_s
+        while reading:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the worker's changelogs not read to their end in {timeout_s:.0f} s")
+            m = reader.poll(0.5)
+            if m is None:
+                continue
+            if m.error():
+                if m.error().code() == KafkaError._PARTITION_EOF:
+                    reading.discard((m.topic(), m.partition()))
+                continue
+            latest[(m.topic(), m.key())] = m.value()
+        return sum(1 for (topic, _), value in latest.items()
+                   if value and json.loads(value).get(topics[topic]))
+    finally:
+        reader.close()
+
+
 @contextmanager
 def supervising(settings, components):
     """A ``tabloop.supervisor.Supervisor`` running ``components`` in a thread of the test: yields it and its

@@ -18,7 +18,7 @@ from infra.bus import EventProducer, ensure_topics, read_topic
 from infra.settings import to_environ
 from schemas.events import new_event
 from tests.conftest import make_settings
-from tests.system_helpers import Quiet, stalled_partitions, wait, worker_lag
+from tests.system_helpers import Quiet, feedback_waiting, stalled_partitions, wait, worker_lag
 
 # Long runs on a broker of their own (the session broker's topics hold other tests' events, which a
 # worker reading from the earliest offset would join too): `make drills`, not `make test`.
@@ -140,6 +140,24 @@ def collect(settings, before: set, want: int, timeout_s: float, proc, grace_s: f
     return seen
 
 
+def nothing_left_to_close(settings, timeout_s: float) -> None:
+    """Wait until nothing the worker holds could still become an episode by time alone: no feedback waiting
+    in its tables, nothing unread in its topics (its own included), twice in a row. Read before the topic's
+    last read, instead of sleeping out the lateness and the idle close: a wrong late episode still shows (it
+    comes from feedback that waits), and a right run does not pay for the wait.
+
+    Waiting is read on both sides of the lag: feedback that expires is sent on through the worker's own
+    topic (one more try under its reuse key), in flight between the two reads of an earlier round."""
+    rounds = []
+
+    def quiet_twice() -> bool:
+        rounds.append(feedback_waiting(settings) == 0 and worker_lag(settings) == 0 and feedback_waiting(settings) == 0)
+        return rounds[-2:] == [True, True]
+
+    wait(quiet_twice, timeout_s, "no feedback left waiting in the worker and its lag 0", poll_s=2,
+         explain=lambda: f"feedback waiting {feedback_waiting(settings)}, worker lag {worker_lag(settings)}")
+
+
 def stop(proc) -> None:
     proc.terminate()
     try:
@@ -189,7 +207,7 @@ def test_ten_thousand_shuffled_events_give_exactly_the_expected_episodes(kafka, 
             for e in events:
                 producer.publish(e)
         collect(settings, before, len(expected), 1200, worker)
-        time.sleep(LATENESS_S + IDLE_S + 3)  # anything late would show up now
+        nothing_left_to_close(settings, LATENESS_S + IDLE_S + 120)  # anything late would show up by then
         episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
     finally:
         stop(worker)
@@ -215,7 +233,7 @@ def test_sigkill_mid_stream_loses_nothing_and_doubles_nothing(kafka, tmp_path):
         worker.wait()
         worker = start_worker(settings, "streams-2.log")
         collect(settings, before, len(expected), 1200, worker)
-        time.sleep(LATENESS_S + IDLE_S + 3)
+        nothing_left_to_close(settings, LATENESS_S + IDLE_S + 120)
         episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
         stalled = stalled_partitions(settings)
     finally:
@@ -345,7 +363,7 @@ def test_kafka_outage_of_thirty_seconds_loses_nothing_and_the_worker_resumes(kaf
                 break
             restarts += 1  # what the supervisor does with a worker that exited
             worker = start_worker(settings, f"streams-{restarts + 1}.log")
-        time.sleep(LATENESS_S + idle_s + 3)
+        nothing_left_to_close(settings, LATENESS_S + idle_s + 120)
         episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
         stalled = stalled_partitions(settings)
     finally:

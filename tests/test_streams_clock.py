@@ -31,7 +31,7 @@ class MainClosures:
     def assigned(self, partition: int, end_offset: int | None = None) -> None:
         pass  # main had no such rule
 
-    def consumed(self, partition: int, offset: int) -> None:
+    def consumed(self, partition: int, offset: int, **position) -> None:
         pass
 
     def advance(self, partition: int, event_ms: int, wall_ms: float, *, resent: bool = False) -> None:
@@ -82,6 +82,27 @@ def test_an_old_record_does_not_reset_the_idle_wait(clock_type):
     clock.advance(0, T0 - 10 * S, wall_ms=T0 + 200 * S)  # older than the high-water mark
     clock.advance(0, T0, wall_ms=T0 + 250 * S)  # as old as the mark: no news either
     assert clock.now(0, T0 + 400 * S) == T0 + 100 * S
+
+
+@pytest.mark.parametrize("clock_type", [PartitionClock, fails_on_main("a straggler restarts the idle wait")])
+def test_a_partition_reading_a_backlog_is_busy_not_idle(clock_type):
+    """Shuffled input: the newest event comes early, and for longer than idle_close the partition reads
+    records older than it with more behind each. Its clock stays at the mark (it is behind, not idle); once
+    read up to its end, a straggler is no news and the clock follows the wall again."""
+    clock = live(clock_type)
+    clock.consumed(0, 0, wall_ms=T0, end_offset=1000)
+    clock.advance(0, T0 + 100 * S, wall_ms=T0)  # the high-water mark, first
+    for offset in range(1, 999):
+        wall = T0 + offset * S  # a record a second, 998 s: more than three idle closes
+        clock.consumed(0, offset, wall_ms=wall, end_offset=1000)
+        clock.advance(0, T0 + (offset % 90) * S, wall_ms=wall)  # all older than the mark
+        assert clock.now(0, wall) == T0 + 100 * S, offset
+    clock.consumed(0, 999, wall_ms=T0 + 999 * S, end_offset=1000)  # the last: read up to its end
+    clock.advance(0, T0 + 50 * S, wall_ms=T0 + 999 * S)
+    clock.consumed(0, 1000, wall_ms=T0 + 1100 * S, end_offset=1001)  # a straggler later: no news
+    clock.advance(0, T0 + 60 * S, wall_ms=T0 + 1100 * S)
+    # Idle since its last busy read (offset 998, with 999 behind it), not since the straggler.
+    assert clock.now(0, T0 + 998 * S + IDLE + 7 * S) == T0 + 100 * S + 7 * S
 
 
 @pytest.mark.parametrize("clock_type", [PartitionClock, fails_on_main("a re-send restarts the idle wait")])
