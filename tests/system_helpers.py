@@ -58,18 +58,20 @@ def wait(predicate, timeout_s: float, what: str, explain=None, poll_s: float = 0
                          + (f"\n{explain()}" if explain else ""))
 
 
-def worker_lag(settings, group: str = "tabloop-streams", probes=None, internal: bool = True) -> int | None:
+def worker_lag(settings, group: str = "tabloop-streams", probes=None, internal: bool = True,
+               detail: bool = False) -> int | tuple[dict, int] | None:
     """Records ``group`` has not committed yet: of the event log, as ``tabloop status`` counts them, and
     (``internal``) of its own topics between its stages, clock ticks left out (None: nothing committed yet,
     or the broker did not answer). Asked of a child process, as the supervisor asks
     (``KafkaProbeProcess``): librdkafka's admin client can segfault in ListConsumerGroupOffsets
-    (rd_kafka_cgrp_op, seen here against a broker just started), which in-process would end the test run."""
+    (rd_kafka_cgrp_op, seen here against a broker just started), which in-process would end the test run.
+    With ``detail``: ({topic: records behind}, total), for a failure's message."""
     from tabloop.supervisor import KafkaProbeProcess
 
     own = probes is None
     probes = probes or KafkaProbeProcess(settings)
     try:
-        return probes.ask("lag", group, internal)
+        return probes.ask("lag", group, internal, detail)
     finally:
         if own:
             probes.close()

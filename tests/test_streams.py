@@ -134,7 +134,7 @@ def collect(settings, before: set, want: int, timeout_s: float, proc, grace_s: f
     quiet = Quiet(settings, new_ids, want, grace_s, proc)
     try:
         wait(quiet, timeout_s, f"{want} new episodes", poll_s=2,
-             explain=lambda: f"{new_ids()} new episodes; worker lag {worker_lag(settings)}")
+             explain=lambda: f"{new_ids()} new episodes; worker lag {worker_lag(settings, detail=True)}")
     finally:
         quiet.close()
     return seen
@@ -155,7 +155,7 @@ def nothing_left_to_close(settings, timeout_s: float) -> None:
         return rounds[-2:] == [True, True]
 
     wait(quiet_twice, timeout_s, "no feedback left waiting in the worker and its lag 0", poll_s=2,
-         explain=lambda: f"feedback waiting {feedback_waiting(settings)}, worker lag {worker_lag(settings)}")
+         explain=lambda: f"feedback waiting {feedback_waiting(settings)}, worker lag {worker_lag(settings, detail=True)}")
 
 
 def stop(proc) -> None:
