@@ -53,8 +53,14 @@ class BrokerStatus:
 
 
 class LocalKafka:
-    def __init__(self, settings: Settings, *, java: str = "java", maven: str = "mvn"):
+    def __init__(self, settings: Settings, *, java: str = "java", maven: str = "mvn",
+                 group_join_wait_ms: int = 0):
+        """``group_join_wait_ms``: Kafka's ``group.initial.rebalance.delay.ms``, how long a new consumer
+        group waits for more members before its first assignment. 0 here (tests and one machine start
+        a group's only member and want it at once); Kafka's own default, 3000, where several members
+        start together (``tabloop bench pipeline --workers N``)."""
         self.settings = settings
+        self.group_join_wait_ms = group_join_wait_ms
         self.java_cmd = java
         self.maven_cmd = maven
         self.host, self.port = _local_listener(settings.kafka_bootstrap)
@@ -204,7 +210,7 @@ class LocalKafka:
             "transaction.state.log.replication.factor": "1",
             "transaction.state.log.min.isr": "1",
             "transaction.state.log.num.partitions": "4",
-            "group.initial.rebalance.delay.ms": "0",
+            "group.initial.rebalance.delay.ms": str(self.group_join_wait_ms),
             "log.retention.check.interval.ms": "300000",
             "num.network.threads": "2",
             "num.io.threads": "4",

@@ -247,6 +247,20 @@ def test_clear_errors_without_java_or_maven(tmp_path, kafka_settings):
         LocalKafka(settings.model_copy(update={"kafka_bootstrap": "kafka.example:9092"}))
 
 
+def test_a_group_waits_for_more_members_only_where_several_start_together(tmp_path, kafka_settings):
+    """``bench pipeline --workers 2`` starts its broker with Kafka's default 3 s wait, so the workers join
+    one generation; everywhere else a group's only member is assigned at once."""
+    def wait_written(broker: LocalKafka) -> str:
+        broker.dir.mkdir(parents=True, exist_ok=True)
+        broker._write_config(controller_port=1)
+        lines = dict(line.split("=", 1) for line in broker.properties_file.read_text().splitlines())
+        return lines["group.initial.rebalance.delay.ms"]
+
+    settings = kafka_settings.model_copy(update={"state_dir": tmp_path, "kafka_bootstrap": "127.0.0.1:1"})
+    assert wait_written(LocalKafka(settings)) == "0"
+    assert wait_written(LocalKafka(settings, group_join_wait_ms=3000)) == "3000"
+
+
 def test_start_refuses_a_busy_port(tmp_path, kafka, kafka_settings):
     settings = kafka_settings.model_copy(update={"state_dir": tmp_path})
     with pytest.raises(KafkaLaunchError, match="already in use"):
