@@ -64,6 +64,52 @@ def pytest_configure(config):
     _session_config = config
 
 
+# Seconds each drill took in a CI run (setup included; 93cc040, `--durations`): the order the drills are
+# dealt to pytest-xdist's workers. Its `load` scheduler deals the first two tests of every worker round
+# robin and keeps one queued behind each running test, so in file order the fault drill (15 minutes) had
+# the outage drill queued behind it and the phase took 21 minutes for 16 of work per worker. Dealt as
+# the longest one per worker, then the shortest one per worker (what waits behind a long one), then the
+# rest longest first, the same durations simulate 3-4 minutes shorter. A drill not listed counts as 60 s.
+DRILL_SECONDS = {
+    "test_faults_lose_nothing_acknowledged": 930,
+    "test_ten_thousand_shuffled_events_give_exactly_the_expected_episodes": 612,
+    "test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records": 395,
+    "test_up_serves_learns_restarts_and_down_leaves_nothing": 375,
+    "test_kafka_outage_of_thirty_seconds_loses_nothing_and_the_worker_resumes": 320,
+    "test_sigkill_mid_stream_loses_nothing_and_doubles_nothing": 311,
+    "test_bench_loop_team_runs_one_teams_users_with_lora_updates_and_no_gate": 310,
+    "test_feedback_to_new_version_to_serving_rollback_and_canary": 206,
+    "test_drill_300k_events_three_sigkills_counts_exact": 203,
+    "test_undecodable_input_goes_to_the_dead_letter_topic": 82,
+    "test_sigkill_between_and_during_updates": 50,
+    "test_judge_and_tests_scores_reach_the_episodes": 44,
+    "test_sigkill_between_storing_and_committing_then_restart_counts_stay_exact": 36,
+    "test_the_share_check_refuses_what_a_fair_canary_would_not_serve": 20,
+}
+
+
+def drill_order(names: list[str], workers: int) -> list[str]:
+    """``names`` in the order to deal them to ``workers`` (see ``DRILL_SECONDS``)."""
+    by_length = sorted(names, key=lambda n: (-DRILL_SECONDS.get(n, 60), n))
+    longest = by_length[:workers]
+    shortest = by_length[workers:][::-1][:workers]
+    return longest + shortest + [n for n in by_length[workers:] if n not in shortest]
+
+
+@pytest.hookimpl(trylast=True)  # after `-m drill` has deselected the rest
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the drills in ``drill_order`` (every worker collects, and sorts alike; the
+    scheduler deals them in the workers' order)."""
+    workers = getattr(config, "workerinput", {}).get("workercount") or config.getoption("numprocesses", None)
+    workers = workers if isinstance(workers, int) else 1
+    drills = [item for item in items if item.get_closest_marker("drill") is not None]
+    if workers < 2 or len(drills) != len(items):  # only a drills-only run is reordered
+        return
+    names = list(dict.fromkeys(item.originalname for item in items))  # a parametrized drill once
+    rank = {name: i for i, name in enumerate(drill_order(names, workers))}
+    items.sort(key=lambda item: (rank[item.originalname], item.nodeid))
+
+
 def pytest_runtest_logreport(report):
     """Counted from the reports, not from the items: under pytest-xdist the tests run in worker processes,
     and only their reports reach the process that prints the summary."""

@@ -91,3 +91,16 @@ def test_ci_run_fails_on_a_count_above_zero(tmp_path):
         none_left_out = run(0, status)
         assert none_left_out.returncode == status, none_left_out.stdout + none_left_out.stderr
         assert "FAILED" not in none_left_out.stdout
+
+
+def test_the_drills_are_dealt_longest_first_with_the_shortest_queued_behind_them():
+    from tests.conftest import DRILL_SECONDS, drill_order
+
+    names = list(DRILL_SECONDS) + ["a_drill_not_measured_yet"]
+    order = drill_order(names, 4)
+    assert sorted(order) == sorted(names)
+    seconds = [DRILL_SECONDS.get(n, 60) for n in order]
+    assert seconds[:4] == sorted(DRILL_SECONDS.values(), reverse=True)[:4]  # one long drill per worker
+    assert max(seconds[4:8]) <= min(seconds[8:])  # queued behind them: the shortest
+    assert seconds[8:] == sorted(seconds[8:], reverse=True)  # then longest first, dealt as workers free up
+
