@@ -103,4 +103,3 @@ def test_the_drills_are_dealt_longest_first_with_the_shortest_queued_behind_them
     assert seconds[:4] == sorted(DRILL_SECONDS.values(), reverse=True)[:4]  # one long drill per worker
     assert max(seconds[4:8]) <= min(seconds[8:])  # queued behind them: the shortest
     assert seconds[8:] == sorted(seconds[8:], reverse=True)  # then longest first, dealt as workers free up
-
