@@ -52,13 +52,19 @@ class BrokerStatus:
         return self.__dict__.copy()
 
 
+SEVERAL_WORKERS_JOIN_WAIT_MS = 3000
+"""Kafka's default ``group.initial.rebalance.delay.ms``: how long a new consumer group waits for more members
+before its first assignment. Wherever several streams workers start together (``bench pipeline --workers N``,
+the compose file's and the cluster's two replicas): with no wait the first one in is assigned every partition,
+starts, and is rebalanced a moment later, and about one such start in ten left completions unjoined (Faust's
+transactions across that rebalance; issue 32's note)."""
+
+
 class LocalKafka:
     def __init__(self, settings: Settings, *, java: str = "java", maven: str = "mvn",
                  group_join_wait_ms: int = 0):
-        """``group_join_wait_ms``: Kafka's ``group.initial.rebalance.delay.ms``, how long a new consumer
-        group waits for more members before its first assignment. 0 here (tests and one machine start
-        a group's only member and want it at once); Kafka's own default, 3000, where several members
-        start together (``tabloop bench pipeline --workers N``)."""
+        """``group_join_wait_ms``: see ``SEVERAL_WORKERS_JOIN_WAIT_MS``. 0 by default: tests and one machine
+        start a group's only member and want it assigned at once."""
         self.settings = settings
         self.group_join_wait_ms = group_join_wait_ms
         self.java_cmd = java

@@ -405,7 +405,7 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
 
     from infra.bus import EventProducer, ensure_topics
     from infra.errors import TabloopError
-    from infra.kafka_broker import LocalKafka, free_port
+    from infra.kafka_broker import SEVERAL_WORKERS_JOIN_WAIT_MS, LocalKafka, free_port
     from infra.settings import to_environ
     from infra.files import log_tail
 
@@ -415,11 +415,8 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
     with scratch_dir("tabloop-bench-pipeline-") as work:
         s = settings.model_copy(update={"state_dir": work, "kafka_bootstrap": f"127.0.0.1:{free_port()}",
                                         "topic_partitions": settings.topic_partitions})
-        # Workers started together join one generation of the group, as on a production broker (Kafka's
-        # default wait, 3 s). With no wait the first one in is assigned every partition and starts, and
-        # is rebalanced a moment later: about one two-worker run in ten then left a few completions
-        # unjoined, their feedback waiting for idle_close (issue 32's note). Startup is reported apart.
-        broker = LocalKafka(s, group_join_wait_ms=3000 if workers > 1 else 0)
+        # Workers started together join one generation of the group (startup is reported apart).
+        broker = LocalKafka(s, group_join_wait_ms=SEVERAL_WORKERS_JOIN_WAIT_MS if workers > 1 else 0)
         codec = Codec()
         arrivals: dict[str, float] = {}  # feedback event id -> when its episode was readable
         stop_reading = threading.Event()

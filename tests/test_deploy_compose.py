@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import yaml
 
+from infra.kafka_broker import SEVERAL_WORKERS_JOIN_WAIT_MS
 from tests.deploy_checks import check_settings_env, check_tabloop_command, interpolate, variables
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,6 +146,9 @@ def test_the_team_setup():
     registry = load(ENVIRONMENTS["registry"])["services"]
     assert check_settings_env(service_env(registry["serve"])).schema_registry_url == "http://schema-registry:8081"
     assert services["streams"]["deploy"]["replicas"] >= 2
+    # ...which start together: every broker lets a new group wait for them (infra/kafka_broker.py says why).
+    assert {service_env(kafkas[n])["KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS"] for n in kafkas} \
+        == {str(SEVERAL_WORKERS_JOIN_WAIT_MS)}
 
 
 def _dockerfile_context(tmp: Path) -> Path:

@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from infra.kafka_broker import SEVERAL_WORKERS_JOIN_WAIT_MS
 from tests.deploy_checks import check_settings_env, check_tabloop_command
 
 K8S = Path(__file__).resolve().parent.parent / "infra" / "k8s"
@@ -126,4 +127,9 @@ def test_gpus_probes_and_the_replica_list():
     config = BY_KIND[("ConfigMap", "tabloop-config")]["data"]
     assert config["TABLOOP_KAFKA_BOOTSTRAP"].startswith("kafka-0.kafka.tabloop.svc") and ("Service", "kafka") in BY_KIND
     assert config["TABLOOP_CLICKHOUSE_URL"].startswith("http://clickhouse.tabloop.svc")
+    # The streams replicas start together: the broker lets a new group wait for them (infra/kafka_broker.py).
+    assert BY_KIND[("Deployment", "streams")]["spec"]["replicas"] >= 2
+    [k] = pod_spec(BY_KIND[("StatefulSet", "kafka")])["containers"]
+    assert container_env(BY_KIND[("StatefulSet", "kafka")], k)["KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS"] \
+        == str(SEVERAL_WORKERS_JOIN_WAIT_MS)
     assert ("Service", "clickhouse") in BY_KIND
