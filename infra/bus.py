@@ -124,6 +124,9 @@ class EventProducer:
             "acks": "all",
             "enable.idempotence": True,
             "linger.ms": 5,
+            # Named, not left to the default: the streams worker computes the same partition from a key
+            # (``schemas.topics.home_partition``) to tell a record that landed where its key belongs.
+            "partitioner": "consistent_random",
             "compression.type": "lz4",
             # librdkafka refuses a bigger message at produce(); a batch can pass this by one message's
             # framing, and lz4 can grow incompressible data a little: the topics' limit leaves room for both.

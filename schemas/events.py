@@ -81,17 +81,19 @@ def _default_value(field: dict) -> Any:
     return field["default"]
 
 
-def _feedback_key(r: dict) -> str:
-    # Feedback without our id is joined on the prompt hash, so it must land in
-    # the same partition as other feedback for the same prompt.
-    return r.get("completion_id") or r.get("prompt_sha256") or r["event_id"]
+def user_key(r: dict) -> str:
+    """Completions and feedback are keyed by who they are for: every join rule (our id, the prompt hash,
+    generator reuse) pairs events of one project and user, so the streams worker decides each inside one
+    partition (``streams.app``). Before issue 32 completions were keyed by completion id and feedback by
+    completion id or prompt hash; the worker moves what it finds under those keys (``streams.app``)."""
+    return f"{r['project_id']}/{r['user_id']}"
 
 
 EVENT_TYPES: dict[str, EventType] = {
     t.name: t
     for t in (
-        EventType("CompletionServed", "served_at", lambda r: r["completion_id"]),
-        EventType("FeedbackReceived", "received_at", _feedback_key),
+        EventType("CompletionServed", "served_at", user_key),
+        EventType("FeedbackReceived", "received_at", user_key),
         EventType("Episode", "joined_at", lambda r: r["completion_id"]),
         # One key per (base model, version): compaction keeps the latest status of every version,
         # so the topic still holds the whole history a replica (or `tabloop weights list`) folds.

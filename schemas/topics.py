@@ -8,6 +8,7 @@ one live record per weight version and is compacted; ``tabloop.gates`` the same 
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 MAX_MESSAGE_BYTES = 1_048_576
@@ -41,6 +42,13 @@ GATES = Topic("tabloop.gates", "GateVersion", COMPACTED, partitions=1)
 
 CATALOG: tuple[Topic, ...] = (COMPLETIONS, FEEDBACK, EPISODES, WEIGHTS, DEADLETTER, GATES)
 TOPIC_BY_NAME = {t.name: t for t in CATALOG}
+def home_partition(key: bytes, partitions: int) -> int:
+    """The partition a keyed record lands on: librdkafka's ``consistent_random`` partitioner (CRC-32 of the
+    key), which every tabloop producer names (``infra.bus``). The streams worker checks input against it and
+    moves a record found elsewhere (another producer's partitioner, events keyed before issue 32)."""
+    return zlib.crc32(key) % partitions
+
+
 TICK_KEY = b"__tick__"
 """The key of the streams worker's clock ticks on its own (internal) topics: time, not data (lag probes skip
 them)."""

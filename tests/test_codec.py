@@ -191,11 +191,15 @@ def test_new_event_checks_fields():
     assert e.key == "t/0/1" and e.topic == "tabloop.deadletter"
 
 
-def test_feedback_key_falls_back_to_prompt_hash():
-    e = example_event("FeedbackReceived")
-    assert e.key == e.record["prompt_sha256"]
-    e.record["completion_id"] = "cmpl-1"
-    assert e.key == "cmpl-1"
+def test_completions_and_feedback_are_keyed_by_project_and_user_whatever_they_name():
+    """One key for everything one user's join needs (streams.app decides each join inside one partition)."""
+    completion, feedback = example_event("CompletionServed"), example_event("FeedbackReceived")
+    feedback.record.update(project_id=completion.record["project_id"], user_id=completion.record["user_id"])
+    assert completion.key == feedback.key == f"{completion.record['project_id']}/{completion.record['user_id']}"
+    feedback.record["completion_id"] = "cmpl-1"
+    assert feedback.key == completion.key
+    feedback.record["user_id"] = "someone-else"
+    assert feedback.key != completion.key
 
 
 def test_data_written_with_an_older_release_reads_as_current():
