@@ -9,12 +9,12 @@ ones. A partition that gets no new events would then never close its last window
 Four rules keep that from running late, running back, or running ahead (issue 32):
 
 - **Only news resets the idle wait.** A record no newer than the partition's high-water mark (a
-  late event, a replayed backlog) and the worker's own re-sends (feedback an expiry sends on, marked
-  ``resent``: its time was counted where it expired) move nothing: neither the mark nor the wall time
-  the idle wait counts from. On main every record reset it, and each FIM feedback that expired and was
-  re-sent under its reuse key restarted the wait of the partition it landed on, costing that
-  partition about ``idle_close_ms`` plus the lateness again: minutes before unmatched feedback became
-  an episode in a quiet period.
+  late event, a replayed backlog) and a re-send of the worker's own (marked ``resent``: its time was
+  counted where it came from) move nothing: neither the mark nor the wall time the idle wait counts
+  from. On main every record reset it, and each FIM feedback that expired and was re-sent under its
+  reuse key restarted the wait of the partition it landed on, costing that partition about
+  ``idle_close_ms`` plus the lateness again: minutes before unmatched feedback became an episode in a
+  quiet period. (The one join of ``streams.app`` re-sends nothing: it tries the reuse key in place.)
 - **Busy is not idle.** A partition read while more records wait behind the one in hand (its end
   offset past it) is working through a backlog, whatever the records' times: the idle wait counts from
   the last such read too. Shuffled input holds many records older than the mark; without this rule a
@@ -24,7 +24,8 @@ Four rules keep that from running late, running back, or running ahead (issue 32
 - **Never back.** ``now`` never returns less than it returned before for the partition (a record
   newer than the mark but older than an idle clock's value would otherwise pull it back).
 - **Caught up first.** After its assignment a partition follows event time alone (the mark) until
-  the worker has consumed it up to the offset that was its end then (the worker asks its consumer
+  the worker has consumed it (each of its sources: the join reads partition *n* of three topics) up to
+  the offset that was its end then (the worker asks its consumer
   for that end on the partition's first tick; any record at or past ``end - 1`` counts, so a
   transaction marker at the end is passed by the next tick). Until then the wall clock closes
   nothing: a restarted worker would otherwise close feedback as unmatched while the backlog that
@@ -37,7 +38,7 @@ it by hand.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -48,10 +49,11 @@ class _Partition:
     """The wall time of the record that last moved ``high_water``."""
     busy_at_wall: float = 0.0
     """The wall time of the last read with more records behind it (a backlog)."""
-    end_offset: int | None = None
-    """The partition's end offset at assignment (None: not known yet)."""
-    consumed: int = -1
-    """The highest offset consumed since assignment."""
+    end_offsets: dict | None = None
+    """Each source's end offset at assignment (None: not known yet). A partition of the join reads several
+    topics' partitions of that number (its sources): it has caught up when it has caught up with each."""
+    consumed: dict = field(default_factory=dict)
+    """The highest offset consumed since assignment, per source."""
     caught_up: bool = False
     returned: int = 0
     """The largest ``now`` returned: never less after it."""
@@ -75,30 +77,40 @@ class PartitionClock:
         if end_offset is not None:
             self.set_end_offset(partition, end_offset)
 
-    def end_offset(self, partition: int) -> int | None:
-        return self._of(partition).end_offset
+    def ends_known(self, partition: int) -> bool:
+        return self._of(partition).end_offsets is not None
 
-    def set_end_offset(self, partition: int, end_offset: int) -> None:
+    def end_offset(self, partition: int, source=None) -> int | None:
+        ends = self._of(partition).end_offsets
+        return None if ends is None else ends.get(source)
+
+    def set_end_offset(self, partition: int, end_offset: int, source=None) -> None:
         """What the partition's end was at its assignment (the first value given counts)."""
+        self.set_end_offsets(partition, {source: end_offset})
+
+    def set_end_offsets(self, partition: int, ends: dict) -> None:
+        """The ends of all the partition's sources at once (source -> end offset; the first ends given
+        count): caught up once each source is read up to its end."""
         p = self._of(partition)
-        if p.end_offset is None:
-            p.end_offset = end_offset
+        if p.end_offsets is None:
+            p.end_offsets = dict(ends)
             self._check_caught_up(p)
 
     def consumed(self, partition: int, offset: int, *, wall_ms: float | None = None,
-                 end_offset: int | None = None) -> None:
-        """A record at ``offset`` was consumed (any record, ticks too), at ``wall_ms`` with the partition's
-        end then at ``end_offset`` (as far as the consumer knows; None: not known): a record behind it
-        makes the partition busy."""
+                 end_offset: int | None = None, source=None) -> None:
+        """A record at ``offset`` of ``source`` was consumed (any record, ticks too), at ``wall_ms`` with
+        the source's end then at ``end_offset`` (as far as the consumer knows; None: not known): a record
+        behind it makes the partition busy."""
         p = self._of(partition)
-        p.consumed = max(p.consumed, offset)
+        p.consumed[source] = max(p.consumed.get(source, -1), offset)
         self._check_caught_up(p)
         if wall_ms is not None and end_offset is not None and end_offset > offset + 1:
             p.busy_at_wall = max(p.busy_at_wall, wall_ms)
 
     @staticmethod
     def _check_caught_up(p: _Partition) -> None:
-        if not p.caught_up and p.end_offset is not None and p.consumed + 1 >= p.end_offset:
+        if not p.caught_up and p.end_offsets is not None and all(
+                p.consumed.get(source, -1) + 1 >= end for source, end in p.end_offsets.items()):
             p.caught_up = True
 
     def caught_up(self, partition: int) -> bool:

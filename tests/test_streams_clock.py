@@ -157,6 +157,24 @@ def test_caught_up_needs_the_end_offset_and_restored_state_then_ages_by_the_wall
     assert not clock.caught_up(3) and clock.end_offset(3) is None
 
 
+def test_a_partition_of_several_sources_has_caught_up_once_each_has():
+    """The one join reads partition n of the completions, the feedback and its own topic: caught up when
+    every one of them is read up to the end it had, whatever the others' offsets (each counts apart)."""
+    clock = PartitionClock(IDLE)
+    clock.assigned(2)
+    clock.set_end_offsets(2, {"completions": 10, "feedback": 0, "rekeyed": 5})  # feedback: empty
+    clock.consumed(2, 9, source="completions")
+    assert not clock.caught_up(2)  # the rekeyed topic not yet: offset 9 there would not count
+    clock.consumed(2, 3, source="rekeyed")
+    assert not clock.caught_up(2) and clock.now(2, T0 + 10 * IDLE) == 0
+    clock.consumed(2, 4, source="rekeyed")
+    assert clock.caught_up(2)
+    clock.set_end_offsets(2, {"completions": 99})  # the first ends given count
+    assert clock.caught_up(2) and clock.end_offset(2, "completions") == 10
+    clock.assigned(2)
+    assert not clock.ends_known(2) and not clock.caught_up(2)
+
+
 def test_an_empty_partition_is_caught_up_at_once():
     clock = PartitionClock(IDLE)
     clock.assigned(0, end_offset=0)
