@@ -1,17 +1,20 @@
-"""The streams worker's topology, all in one place: topics, tables, agents.
+"""The streams worker's topology, all in one place: topics, table, agents.
 
-    tabloop.completions ─┐            ┌─▶ by-prompt (key: project/user/prompt hash) ─ match ─┐
-                         ├─ route ────┤                                                       ▼
-    tabloop.feedback ────┘            └─▶ by-completion (key: completion id) ◀────────────────┘
-                                                     │ join (one episode per completion)
-                                                     ▼
-                                               tabloop.episodes          (undecodable input → tabloop.deadletter)
+    tabloop.completions ─┐  (key: project/user)
+    tabloop.feedback ────┼─▶ join ── one partition per project/user: match by id, by prompt, by reuse ─┐
+    {app}-rekeyed ───────┘     ▲ (input off its home partition, moved there once; the clock's ticks)  │
+                               └──────────────────────────────────────────────────────────────────────┤
+                                                                                                     ▼
+                  {app}-to-score (specs that weigh judge or tests) ─ score ─▶ tabloop.episodes  (undecodable → deadletter)
 
-The rules live in ``streams.join`` (pure, tested by hand); this module moves
-records between partitions and keeps each stage's state in a Faust table with
-a changelog topic, so a restarted worker resumes where it stopped. Episode ids
-are derived from what they join, so anything processed twice after a crash
-produces the same event ids (consumers deduplicate by event_id).
+The rules live in ``streams.join`` (pure, tested by hand); this module feeds them one partition's records
+and keeps their state in one Faust table with a changelog topic, so a restarted worker resumes where it
+stopped. Completions and feedback are keyed by project and user (``schemas.events.user_key``), so every
+rule is decided where the records land: an episode costs its two inputs, three writes of its completion's
+state (open, closed, forgotten) and itself. A worker from before issue 32 re-keyed input through two
+stages (``by-prompt``, ``by-completion``) with a table each; what they still hold is moved here once.
+Episode ids are derived from what they join, so anything processed twice after a crash produces the same
+event ids (consumers deduplicate by event_id).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from confluent_kafka import Producer
 from infra.bus import ensure_topics, make_codec
 from infra.settings import Settings
 from schemas.codec import EventDecodeError
-from schemas.events import Event, new_event
+from schemas.events import Event, new_event, user_key
 from schemas.token_ids import packed_text
-from schemas.topics import CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, TICK_KEY, Topic
+from schemas.topics import CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, TICK_KEY, Topic, home_partition
 from streams.clock import PartitionClock
 from streams.join import REUSE_MARK, EpisodeJoiner, JoinConfig, PromptMatcher, millis, reuse_key
 from streams.rewards import RewardSpecs
@@ -93,6 +96,42 @@ class ExpiryIndex:
         self.built.clear()
 
 
+class CandidateIndex:
+    """Which completions each prompt (and reuse) key may match: derived from the completions' table entries
+    (their ``cands``), kept in memory only, so a completion costs one state write, not one per key as well.
+    Rebuilt from the table after an assignment; a completion leaves it when its entry is deleted (stale
+    ones in between are out of every window: the matcher passes them over)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple, dict[str, dict]] = defaultdict(dict)
+        self.built = False
+
+    def add(self, cid: str, cands: list | None) -> None:
+        for key, candidate in cands or ():
+            self.by_key[tuple(key)][cid] = candidate
+
+    def remove(self, cid: str, cands: list | None) -> None:
+        for key, _ in cands or ():
+            found = self.by_key.get(tuple(key))
+            if found is not None:
+                found.pop(cid, None)
+                if not found:
+                    del self.by_key[tuple(key)]
+
+    def of(self, key: tuple) -> dict[str, dict]:
+        return self.by_key.get(key, {})
+
+    def build(self, entries) -> None:
+        for skey, entry in entries:
+            if entry.get("cands") and skey.startswith(b"c\x1f"):
+                self.add(skey.decode()[2:], entry["cands"])
+        self.built = True
+
+    def reset(self) -> None:
+        self.by_key.clear()
+        self.built = False
+
+
 def prompt_deadline(state: dict, config: JoinConfig) -> int | None:
     """When a prompt key's state next changes by time alone: a wait ends or a candidate leaves the window."""
     times = [fb["received_at"] + config.max_lateness_ms for fb in state.get("waiting", [])]
@@ -135,59 +174,74 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     app.tabloop_processing = processing = asyncio.Lock()
     app.tabloop_pending = pending = []
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-    completions_in = app.topic(COMPLETIONS.name, **raw)
-    feedback_in = app.topic(FEEDBACK.name, **raw)
     episodes_out = app.topic(EPISODES.name, **raw)
     deadletter_out = app.topic(DEADLETTER.name, **raw)
-    by_prompt = app.topic(f"{app_id}-by-prompt", internal=True, key_serializer="raw", value_serializer="json")
-    by_completion = app.topic(f"{app_id}-by-completion", internal=True, key_serializer="raw",
-                              value_serializer="json")
+    # Input found off its home partition (another producer's partitioner, events keyed before issue 32, an
+    # old worker's stages) goes on here, to the home partition, as do the clock's ticks.
+    rekeyed = app.topic(f"{app_id}-rekeyed", internal=True, **raw)
+    join_input = app.topic(COMPLETIONS.name, FEEDBACK.name, rekeyed.get_topic_name(), **raw)
     to_score = app.topic(f"{app_id}-to-score", internal=True, key_serializer="raw", value_serializer="json")
     table = dict(default=dict, partitions=settings.topic_partitions, key_type=bytes)  # values: JSON dicts
-    prompt_state = app.Table("prompt-state", **table)
-    completion_state = app.Table("completion-state", **table)
-    due = {"prompt": ExpiryIndex(), "completion": ExpiryIndex()}
+    # One table for the join, three kinds of keys (``_prompt_state_key`` and ``_completion_state_key``): a
+    # prompt's waiting feedback, a completion's episode state (and what the matchers keep of it: the prompts'
+    # candidates are an index in memory over these, ``CandidateIndex``), unmatched feedback's identity.
+    state = app.Table("join-state", **table)
+    # The two stages' tables of a worker from before issue 32: restored, moved into ``state``, emptied.
+    legacy_tables = {"prompt": app.Table("prompt-state", **table), "completion": app.Table("completion-state", **table)}
+    legacy_topics = [app.topic(f"{app_id}-{name}", internal=True, key_serializer="raw", value_serializer="json")
+                     for name in LEGACY_STAGES]
+    due = ExpiryIndex()
+    candidates = CandidateIndex()
     app.tabloop_counts = counts = EpisodeJoiner().counts
-    # Event time per partition of each stage: expiry follows the events, so a worker that lags behind
-    # never closes a window early; an idle partition follows the wall clock after ``idle_close_ms``, once
-    # it has caught up with what it held when assigned (the rules: ``streams.clock``).
-    clocks = {"prompt": PartitionClock(config.idle_close_ms), "completion": PartitionClock(config.idle_close_ms)}
-    stage_of_topic = {by_prompt.get_topic_name(): "prompt", by_completion.get_topic_name(): "completion"}
+    # Event time per partition: expiry follows the events, so a worker that lags behind never closes a
+    # window early; an idle partition follows the wall clock after ``idle_close_ms``, once it has caught
+    # up with what its sources held when assigned (the rules: ``streams.clock``).
+    clock = PartitionClock(config.idle_close_ms)
+    sources = (COMPLETIONS.name, FEEDBACK.name, rekeyed.get_topic_name())
+    legacy_moved: set[int] = set()
+    # Keys the move wrote, and until when (wall ms) time alone may not close them: what the old stages held
+    # comes over from several partitions in no set order (a completion's state, its feedback on an old stage's
+    # topic) and is old beside this partition's event time; without the hold, feedback would close as
+    # unmatched in the moment before its completion's state arrived. In memory: the move is over in seconds.
+    legacy_hold: dict[bytes, float] = {}
+    legacy_taking: list[float] = []  # the hold's end while a moved record or entry is taken over
 
     @app.on_partitions_assigned.connect
     async def start_partitions_afresh(sender, assigned=(), *args, **kwargs) -> None:
-        for index in due.values():
-            index.reset()
-        for tp in assigned:
-            if tp.topic in stage_of_topic:
-                clocks[stage_of_topic[tp.topic]].assigned(tp.partition)
+        due.reset()
+        candidates.reset()
+        legacy_moved.clear()
+        for partition in {tp.partition for tp in assigned if tp.topic in sources}:
+            clock.assigned(partition)
 
-    def learn_end_offset(clock: PartitionClock, tp) -> None:
-        """The partition's end as the consumer last heard it from the broker (a fetch of this partition
-        has come back, since one of its records is being processed): the offset to catch up with."""
+    def end_of(tp) -> int | None:
+        """The partition's end as the consumer last heard it from the broker (None: not known yet; -1, no
+        stable offset outside read_committed, counts as 0)."""
         try:
             end = app.consumer.highwater(tp)
-        except Exception:  # not known yet (a consumer between assignments): the next tick asks again
-            log.debug("no end offset for %s yet", tp, exc_info=True)
+        except Exception:  # between assignments: not known
+            return None
+        return None if end is None else max(end, 0)
+
+    def learn_end_offsets(partition: int, tp) -> None:
+        """Where each source of the partition ends now (its fetches have come back: one of its records is
+        being processed): the offsets to catch up with. Not all known yet: the next tick asks again."""
+        ends = {source: end_of(tp._replace(topic=source)) for source in sources}
+        if None in ends.values():
             return
-        if end is not None:  # -1 (no stable offset outside read_committed): nothing to wait for
-            clock.set_end_offset(tp.partition, max(end, 0))
-            log.info("%s[%d]: idle windows close by the wall clock once it is read up to offset %d, its end now",
-                     tp.topic, tp.partition, max(end, 0))
+        clock.set_end_offsets(partition, ends)
+        log.info("partition %d: idle windows close by the wall clock once its sources are read up to %s, their "
+                 "ends now", partition, ends)
 
     def reading_position(event) -> dict:
-        """When a record was read and where its partition ended then (the consumer's last word on it): a
-        record behind it means a backlog, not an idle partition (``streams.clock``)."""
-        try:
-            end = app.consumer.highwater(event.message.tp)
-        except Exception:  # between assignments: not known
-            end = None
-        return {"wall_ms": time.time() * 1000, "end_offset": end}
+        """When a record was read and where its partition ended then: a record behind it means a backlog,
+        not an idle partition (``streams.clock``)."""
+        return {"wall_ms": time.time() * 1000, "end_offset": end_of(event.message.tp),
+                "source": event.message.topic}
 
-    def advance(stage: str, event, record: dict, field: str) -> None:
+    def advance(partition: int, record: dict, field: str, resent: bool = False) -> None:
         t = millis(record[field]) if record.get(field) is not None else 0
-        clocks[stage].advance(event.message.partition, t, time.time() * 1000,
-                              resent=bool(event.value.get("resent")))
+        clock.advance(partition, t, time.time() * 1000, resent=resent)
 
     async def dead_letter(event, error: Exception) -> None:
         counts["dead_letters"] += 1
@@ -197,13 +251,16 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
                        consumer=app_id)
         await deadletter_out.send(key=dl.key.encode(), value=codec.encode(dl))
 
-    def decoded(event, expected: str) -> dict | None:
+    def decoded(event) -> dict | Exception:
+        """The record of a completion or feedback event (on the rekeyed topic: either), or why not."""
         try:
             e = codec.decode(event.value)
         except EventDecodeError as exc:
             return exc
-        if e.type != expected:
-            return EventDecodeError(f"{e.type} on a topic of {expected}")
+        if e.type != TYPE_OF_TOPIC.get(event.message.topic, e.type):
+            return EventDecodeError(f"{e.type} on a topic of {TYPE_OF_TOPIC[event.message.topic]}")
+        if e.type not in ("CompletionServed", "FeedbackReceived"):
+            return EventDecodeError(f"{e.type} is neither a completion nor feedback")
         return plain(e.record)
 
     async def emit(episode: Event) -> None:
@@ -243,183 +300,342 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
                 pending.clear()
                 event.ack()  # inside the unit: a commit takes its offset together with its effects
 
-    # -- routing: decode, check, re-key ---------------------------------------------------------
+    # -- the join: every rule decided inside one partition (one project and user) ---------------------------
+    # A prompt key's state: the feedback waiting for a completion of that prompt; a completion key's: the
+    # joiner's open completion, closed mark, early feedback and seen decisions. Both live in ``state``,
+    # written only while their home partition is processed, so one transactional producer owns each key.
 
-    async def route_completion(event) -> None:
-        rec = decoded(event, "CompletionServed")
-        if isinstance(rec, Exception):
-            return await dead_letter(event, rec)
-        await by_completion.send(key=rec["completion_id"].encode(), value={"kind": "completion", "record": rec})
-        # The matcher needs only who, when and what text: not the token ids and logprobs.
-        await by_prompt.send(key=_prompt_key(rec), value={"kind": "completion", "record": {
-            k: rec[k] for k in ("completion_id", "served_at", "completion_text", "project_id", "user_id",
-                                "prompt_sha256")}})
-        if (reuse := reuse_key(rec)) is not None:  # a candidate for feedback on a reused suggestion
-            await by_prompt.send(key=_key_bytes(reuse), value={"kind": "completion", "record": {
-                k: rec[k] for k in ("completion_id", "served_at", "completion_text", "project_id", "user_id",
-                                    "prefix", "suffix", "filepath")}})
+    def matcher_for(key: tuple) -> PromptMatcher:
+        """The matcher of a prompt (or reuse) key: its candidates are the completions' (``candidates``, in
+        memory) and any its entry keeps (moved from an old stage); its waiting feedback is the entry's."""
+        entry = state[_prompt_state_key(key)]
+        kept = entry.get("candidates", [])
+        known = {c["completion_id"] for c in kept}
+        indexed = [c for cid, c in candidates.of(key).items() if cid not in known]
+        return PromptMatcher(config, candidates={key: kept + indexed}, waiting={key: entry.get("waiting", [])},
+                             stream_time=entry.get("t", 0), reuse=key[2].startswith(REUSE_MARK))
 
-    async def route_one_feedback(event) -> None:
-        fb = decoded(event, "FeedbackReceived")
-        if isinstance(fb, Exception):
-            return await dead_letter(event, fb)
+    def save_matcher(key: tuple, m: PromptMatcher, partition: int, also_keep: set = frozenset()) -> None:
+        """Write a prompt key's waiting feedback, and the candidates its entry keeps (old stages'; the
+        completions' own are in ``candidates``) with ``also_keep`` among them."""
+        skey = _prompt_state_key(key)
+        kept = {c["completion_id"] for c in state[skey].get("candidates", [])} | also_keep
+        kept_candidates = [c for c in m.candidates.get(key, []) if c["completion_id"] in kept]
+        waiting = m.waiting.get(key, [])
+        if kept_candidates or waiting:
+            entry = {"candidates": kept_candidates, "waiting": waiting, "t": m.stream_time, "p": partition}
+            state[skey] = entry
+            hold(skey)
+            due.schedule(partition, skey, prompt_deadline(entry, config))
+        elif skey in state:
+            del state[skey]
+            due.schedule(partition, skey, None)
+
+    def joiner_for(cid: str) -> EpisodeJoiner:
+        return joiner_from(state[_completion_state_key(cid)], cid)
+
+    def joiner_from(entry: dict, cid: str) -> EpisodeJoiner:
+        j = EpisodeJoiner(specs, config, counts=counts, stream_time=entry.get("t", 0))
+        if entry.get("completion") and not entry.get("closed"):
+            j.open[entry["completion"]["completion_id"]] = entry["completion"]
+        if entry.get("closed"):
+            j.closed[cid] = entry.get("served_at", 0)
+        if entry.get("early"):
+            j.early[cid] = list(entry["early"])
+        j.seen_feedback = dict(entry.get("seen", {}))
+        return j
+
+    def save_joiner(cid: str, j: EpisodeJoiner, partition: int, cands: list | None = None) -> None:
+        """Write a completion key's state; ``cands`` (the completion as a candidate of its prompt and reuse
+        keys) once, when it comes: kept in its entry, open or closed, so ``candidates`` can be rebuilt."""
+        skey = _completion_state_key(cid)
+        entry = {"t": j.stream_time, "seen": j.seen_feedback, "p": partition}
+        if cands := cands or state[skey].get("cands"):
+            entry["cands"] = cands
+        if cid in j.open:
+            entry["completion"] = j.open[cid]
+        elif cid in j.closed:
+            entry["closed"] = True
+            entry["served_at"] = j.closed[cid]
+        if j.early.get(cid):
+            entry["early"] = j.early[cid]
+        state[skey] = entry
+        hold(skey)
+        due.schedule(partition, skey, completion_deadline(entry, config))
+
+    def hold(skey: bytes) -> None:
+        if legacy_taking:
+            legacy_hold[skey] = max(legacy_hold.get(skey, 0.0), legacy_taking[-1])
+
+    async def join_feedback(cid: str, fb: dict, partition: int) -> None:
+        j = joiner_for(cid)
+        ep = j.on_feedback(cid, fb)
+        save_joiner(cid, j, partition)
+        if ep is not None:
+            await emit(ep)
+
+    async def join_unmatched(fb: dict, why: str, partition: int) -> None:
+        """Feedback no completion of ours matched (or a cache hit), under its identity: repeats dedupe."""
+        ident = _identity(fb)
+        j = joiner_for(ident)
+        ep = j.unmatched(fb, why)
+        j.closed[ident] = millis(fb["received_at"])
+        save_joiner(ident, j, partition)
+        if ep is not None:
+            await emit(ep)
+
+    async def match_completion(key: tuple, rec: dict, partition: int) -> None:
+        """A completion as a candidate of a prompt (or reuse) key: feedback that waited for it joins.
+        Nothing waiting (the usual case): nothing to write, the candidate is in ``candidates`` already."""
+        if not state[_prompt_state_key(key)].get("waiting"):
+            return
+        m = matcher_for(key)
+        resolved = m.on_completion(rec)
+        save_matcher(key, m, partition)
+        for cid, fb in resolved:
+            await join_feedback(cid, fb, partition)
+
+    async def match_feedback(key: tuple, fb: dict, partition: int) -> None:
+        m = matcher_for(key)
+        match = m.on_feedback(fb)
+        if match is None:  # it waits (a match changes nothing here that is kept: no write)
+            save_matcher(key, m, partition)
+        else:
+            await join_feedback(*match, partition)
+
+    async def on_completion(rec: dict, partition: int) -> None:
+        cid = rec["completion_id"]
+        j = joiner_for(cid)
+        episodes = j.on_completion(rec)
+        cands = cands_of(rec)
+        save_joiner(cid, j, partition, cands)
+        candidates.add(cid, cands)
+        for ep in episodes:
+            await emit(ep)
+        for k, _ in cands:
+            await match_completion(tuple(k), rec, partition)
+
+    async def on_feedback(fb: dict, partition: int) -> None:
         if fb.get("completion_id") is None and fb.get("prompt_sha256") is None:
             counts["no_code"] += 1  # level: noCode — analytics only, never trained on
         elif fb.get("cache_hit"):
-            await by_completion.send(key=_identity_key(fb), value={"kind": "unmatched", "record": fb,
-                                                                   "why": "cache_hits"})
+            await join_unmatched(fb, "cache_hits", partition)
         elif fb.get("completion_id"):
-            await by_completion.send(key=fb["completion_id"].encode(), value={"kind": "feedback", "record": fb})
+            # Our id, from the same project and user (the key): feedback naming a completion served to
+            # someone else lands on that one's partition only by chance, waits there in vain, and closes
+            # as unmatched: one user's decision never labels another's completion.
+            await join_feedback(fb["completion_id"], fb, partition)
         else:
-            await by_prompt.send(key=_prompt_key(fb), value={"kind": "feedback", "record": fb})
+            await match_feedback(_prompt_tuple_of(fb), fb, partition)
 
-    @app.agent(completions_in)
-    async def route_completions(stream):
-        await each_event(stream, route_completion)
-
-    @app.agent(feedback_in)
-    async def route_feedback(stream):
-        await each_event(stream, route_one_feedback)
-
-    def time_field(value: dict) -> str:
-        return "served_at" if value["kind"] == "completion" else "received_at"
-
-    async def on_tick(stage: str, state_table, event, expire_key) -> None:
-        """Expire the keys of this partition that are due (the tick's partition: a table write is
-        logged to the partition being processed)."""
-        partition, clock = event.message.partition, clocks[stage]
-        if clock.end_offset(partition) is None:
-            learn_end_offset(clock, event.message.tp)
-        index = due[stage]
-        if partition not in index.built:
-            deadline_of = prompt_deadline if stage == "prompt" else completion_deadline
-            for key, state in state_table.items():
-                if state.get("p") == partition:
-                    index.schedule(partition, key, deadline_of(state, config))
-            index.built.add(partition)
-        now = clock.now(partition, event.value["now"])
-        for key in index.pop_due(partition, now):
-            if key in state_table:
-                await expire_key(key, partition, now)
-
-    # -- stage A: match feedback without our id to a completion --------------------------------------
-
-    def matcher_for(key) -> PromptMatcher:
-        """The matcher for one prompt key, from its table entry (the key is the matcher's own key)."""
-        state, k = prompt_state[key], _prompt_tuple(key)
-        return PromptMatcher(config, candidates={k: state.get("candidates", [])},
-                             waiting={k: state.get("waiting", [])}, stream_time=state.get("t", 0),
-                             reuse=k[2].startswith(REUSE_MARK))
-
-    def save_matcher(key, m: PromptMatcher, partition: int) -> None:
-        k = _prompt_tuple(key)
-        candidates, waiting = m.candidates.get(k, []), m.waiting.get(k, [])
-        if candidates or waiting:
-            state = {"candidates": candidates, "waiting": waiting, "t": m.stream_time, "p": partition}
-            prompt_state[key] = state
-            due["prompt"].schedule(partition, key, prompt_deadline(state, config))
-        elif key in prompt_state:
-            del prompt_state[key]
-            due["prompt"].schedule(partition, key, None)
-
-    async def match_one(event) -> None:
-        key, value, partition = event.key, event.value, event.message.partition
-        clocks["prompt"].consumed(partition, event.message.offset, **reading_position(event))
-        if value["kind"] == "tick":
-            return await on_tick("prompt", prompt_state, event, expire_prompt)
-        m = matcher_for(key)
-        rec = value["record"]
-        advance("prompt", event, rec, time_field(value))
-        if value["kind"] == "completion":
-            for cid, fb in m.on_completion(rec):
-                await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": fb})
-        elif (match := m.on_feedback(rec)) is not None:
-            cid, fb = match
-            await by_completion.send(key=cid.encode(), value={"kind": "feedback", "record": fb})
-        save_matcher(key, m, partition)
-
-    async def expire_prompt(key: bytes, partition: int, now: int) -> None:
+    async def expire_prompt(skey: bytes, partition: int, now: int) -> None:
+        key = _prompt_tuple(skey)
         m = matcher_for(key)
         m.stream_time = max(m.stream_time, now)
-        for fb in m.expire():
-            if not m.reuse and (reuse := reuse_key(fb)) is not None:
-                # No completion had its prompt: one more try, as feedback on a reused suggestion. Marked as
-                # the worker's own re-send: its time was counted here, it is no news where it lands.
-                await by_prompt.send(key=_key_bytes(reuse), value={"kind": "feedback", "record": fb,
-                                                                   "resent": True})
-                continue
-            await by_completion.send(key=_identity_key(fb), value={"kind": "unmatched", "record": fb,
-                                                                   "why": "unmatched", "resent": True})
+        gone = m.expire()
         save_matcher(key, m, partition)
-
-    @app.agent(by_prompt)
-    async def match(stream):
-        await each_event(stream, match_one)
-
-    # -- stage B: one episode per completion ----------------------------------------------------------
-
-    def joiner_for(key) -> EpisodeJoiner:
-        state = completion_state[key]
-        j = EpisodeJoiner(specs, config, counts=counts, stream_time=state.get("t", 0))
-        if state.get("completion") and not state.get("closed"):
-            j.open[state["completion"]["completion_id"]] = state["completion"]
-        if state.get("closed"):
-            j.closed[key.decode()] = state.get("served_at", 0)
-        if state.get("early"):
-            j.early[key.decode()] = list(state["early"])
-        j.seen_feedback = dict(state.get("seen", {}))
-        return j
-
-    def save_joiner(key, j: EpisodeJoiner, partition: int) -> None:
-        cid = key.decode()
-        state = {"t": j.stream_time, "seen": j.seen_feedback, "p": partition}
-        if cid in j.open:
-            state["completion"] = j.open[cid]
-        elif cid in j.closed:
-            state["closed"] = True
-            state["served_at"] = j.closed[cid]
-        if j.early.get(cid):
-            state["early"] = j.early[cid]
-        completion_state[key] = state
-        due["completion"].schedule(partition, key, completion_deadline(state, config))
-
-    async def join_one(event) -> None:
-        key, value, partition = event.key, event.value, event.message.partition
-        clocks["completion"].consumed(partition, event.message.offset, **reading_position(event))
-        if value["kind"] == "tick":
-            return await on_tick("completion", completion_state, event, expire_completion)
-        j = joiner_for(key)
-        rec = value["record"]
-        advance("completion", event, rec, time_field(value))
-        if value["kind"] == "completion":
-            episodes = j.on_completion(rec)
-        elif value["kind"] == "feedback":
-            episodes = [ep] if (ep := j.on_feedback(key.decode(), rec)) else []
-        else:  # unmatched / cache hit, keyed by the feedback's identity so repeats dedupe here
-            episodes = [ep] if (ep := j.unmatched(rec, value["why"])) else []
-            j.closed[key.decode()] = millis(rec["received_at"])
-        save_joiner(key, j, partition)
-        for ep in episodes:
-            await emit(ep)
-
-    async def expire_completion(key: bytes, partition: int, now: int) -> None:
-        state = completion_state[key]
-        if state.get("closed"):
-            if state.get("served_at", now) < now - 2 * config.completion_ttl_ms:
-                del completion_state[key]
+        for fb in gone:
+            if not m.reuse and (reuse := reuse_key(fb)) is not None:
+                # No completion had its prompt: one more try, as feedback on a reused suggestion.
+                await match_feedback(reuse, fb, partition)
             else:
-                due["completion"].schedule(partition, key, completion_deadline(state, config))
+                await join_unmatched(fb, "unmatched", partition)
+
+    async def expire_completion(skey: bytes, partition: int, now: int) -> None:
+        entry, cid = state[skey], _completion_of_state_key(skey)
+        if entry.get("closed"):
+            if entry.get("served_at", now) < now - 2 * config.completion_ttl_ms:
+                candidates.remove(cid, entry.get("cands"))
+                del state[skey]
+            else:
+                due.schedule(partition, skey, completion_deadline(entry, config))
             return
-        j = joiner_for(key)
+        j = joiner_from(entry, cid)
         j.stream_time = max(j.stream_time, now)
         episodes = j.expire()
-        save_joiner(key, j, partition)
+        save_joiner(cid, j, partition)
         for ep in episodes:
             await emit(ep)
 
-    @app.agent(by_completion)
+    async def on_tick(partition: int, tick: dict, tp) -> None:
+        """Expire the keys of this partition that are due (a table write is logged to the partition being
+        processed: the tick's); first, once after an assignment, move a pre-issue-32 worker's state."""
+        if partition not in legacy_moved:
+            await move_legacy_state(partition)
+            legacy_moved.add(partition)
+        if not clock.ends_known(partition):
+            learn_end_offsets(partition, tp)
+        if clock.ends_known(partition) and not clock.caught_up(partition):
+            # A source with nothing to read since the assignment (its committed offset at its end: a
+            # restart after a quiet spell) gives no record to count: its commit says it was read.
+            for source in sources:
+                end, committed = clock.end_offset(partition, source), app.consumer.committed_offset(
+                    tp._replace(topic=source))
+                if committed is not None and end is not None and committed >= end:
+                    clock.consumed(partition, committed - 1, source=source)
+        if partition not in due.built:
+            for skey, entry in state.items():
+                if entry.get("p") == partition:
+                    due.schedule(partition, skey, (prompt_deadline if _is_prompt_state_key(skey)
+                                                   else completion_deadline)(entry, config))
+            due.built.add(partition)
+        now = clock.now(partition, tick["now"])
+        for skey in due.pop_due(partition, now):
+            if legacy_hold.get(skey, 0) > tick["now"]:
+                due.schedule(partition, skey, now + 1)  # moved moments ago: looked at again on a later tick
+            elif skey in state:
+                legacy_hold.pop(skey, None)
+                await (expire_prompt if _is_prompt_state_key(skey) else expire_completion)(skey, partition, now)
+
+    async def forward(event, rec: dict, partition: int) -> None:
+        """Input off its home partition: on to the home partition, as it came (processed there)."""
+        counts["rekeyed"] += 1
+        await rekeyed.send(key=event.key, value=event.value, partition=partition)
+
+    def cands_of(rec: dict) -> list:
+        """[key, candidate] of a completion for its prompt key and (a FIM prompt) its reuse key: what each
+        matcher keeps of it (``PromptMatcher.on_completion`` decides)."""
+        out = []
+        for reuse in (False, True):
+            m = PromptMatcher(config, reuse=reuse)
+            if reuse and reuse_key(rec) is None:
+                continue
+            m.on_completion(rec)
+            (key, [candidate]), = m.candidates.items()
+            out.append([list(key), candidate])
+        return out
+
+    async def join_one(event) -> None:
+        msg = event.message
+        partition = msg.partition
+        if not candidates.built:  # after an assignment: from the completions' entries the tables restored
+            candidates.build(state.items())
+        clock.consumed(partition, msg.offset, **reading_position(event))
+        if event.key == TICK_KEY:
+            return await on_tick(partition, json.loads(event.value), msg.tp)
+        if event.key == LEGACY_KEY:
+            return await on_legacy(json.loads(event.value), partition)
+        rec = decoded(event)
+        if isinstance(rec, Exception):
+            return await dead_letter(event, rec)
+        home = home_partition(_user_key(rec), settings.topic_partitions)
+        if home != partition:
+            if msg.topic == rekeyed.get_topic_name():  # a worker with another partition count put it here
+                return await dead_letter(event, ValueError(
+                    f"rekeyed to partition {partition}, whose home is {home}: do the workers agree on "
+                    f"TABLOOP_TOPIC_PARTITIONS ({settings.topic_partitions})?"))
+            return await forward(event, rec, home)
+        if "served_at" in rec:
+            advance(partition, rec, "served_at")
+            await on_completion(rec, partition)
+        else:
+            advance(partition, rec, "received_at")
+            await on_feedback(rec, partition)
+
+    @app.agent(join_input)
     async def join(stream):
         await each_event(stream, join_one)
+
+    # -- moving a pre-issue-32 worker's stages: once, losing nothing, emitting nothing twice --------------------
+    # That worker re-keyed input to by-prompt / by-completion and kept two tables. What its topics still hold
+    # and what its tables still keep goes to the home partition of its project and user, where the join
+    # above takes it as its own stages would have (legacy records: key ``LEGACY_KEY``, JSON).
+
+    async def send_legacy(home: int | None, value: dict) -> None:
+        body = json.dumps(value).encode()
+        for partition in (range(settings.topic_partitions) if home is None else (home,)):
+            await rekeyed.send(key=LEGACY_KEY, value=body, partition=partition)
+
+    def legacy_home(user: tuple | None) -> int | None:
+        return None if user is None else home_partition(f"{user[0]}/{user[1]}".encode(), settings.topic_partitions)
+
+    async def move_legacy_state(partition: int) -> None:
+        for stage, tbl in legacy_tables.items():
+            for key, entry in [(k, v) for k, v in tbl.items() if v.get("p") == partition]:
+                counts["legacy_state_moved"] += 1
+                await send_legacy(legacy_home(_legacy_user(stage, key, entry)),
+                                  {"state": stage, "key": key.decode(), "entry": entry})
+                del tbl[key]
+
+    async def drain_legacy(event) -> None:
+        partition = event.message.partition
+        if partition not in legacy_moved:  # the tables before the records: they go the same way, in order
+            await move_legacy_state(partition)
+            legacy_moved.add(partition)
+        if event.key == TICK_KEY:
+            return
+        value, stage = event.value, event.message.topic.rsplit("-", 1)[-1]
+        stage = "prompt" if stage == "prompt" else "completion"
+        counts["legacy_records_moved"] += 1
+        await send_legacy(legacy_home(_legacy_user(stage, event.key, value)),
+                          {"record": stage, "key": event.key.decode(), "value": value})
+
+    for legacy_topic in legacy_topics:
+        app.agent(legacy_topic, name=f"drain_{legacy_topic.get_topic_name()}")(
+            _draining(each_event, drain_legacy))
+
+    async def on_legacy(value: dict, partition: int) -> None:
+        """Take over one legacy record or table entry as the old stage it comes from would have."""
+        legacy_taking.append(time.time() * 1000 + max(config.max_lateness_ms, LEGACY_HOLD_MIN_MS))
+        try:
+            await take_over_legacy(value, partition)
+        finally:
+            legacy_taking.clear()
+
+    async def take_over_legacy(value: dict, partition: int) -> None:
+        key = value["key"]
+        if "record" in value:  # a record of an old stage's topic
+            rec, kind = value["value"]["record"], value["value"]["kind"]
+            if value["record"] == "prompt" and kind == "completion":
+                # A candidate its completion's state may not carry (a decided one's does not): kept in the
+                # prompt's entry, as the old stage kept it, until the window passes it.
+                prompt = _prompt_tuple(key.encode(), legacy=True)
+                m = matcher_for(prompt)
+                resolved = m.on_completion(rec)
+                save_matcher(prompt, m, partition, also_keep={rec["completion_id"]})
+                for cid, fb in resolved:
+                    await join_feedback(cid, fb, partition)
+            elif value["record"] == "prompt":
+                await match_feedback(_prompt_tuple(key.encode(), legacy=True), rec, partition)
+            elif kind == "completion":
+                await on_completion(rec, partition)
+            elif kind == "feedback":
+                await join_feedback(key, rec, partition)
+            else:  # unmatched / cache hit
+                await join_unmatched(rec, value["value"]["why"], partition)
+        elif value["state"] == "prompt":
+            # Its candidates join this partition's; its waiting feedback is matched now, as if it came.
+            prompt = _prompt_tuple(key.encode(), legacy=True)
+            m, old = matcher_for(prompt), value["entry"]
+            have = {c["completion_id"] for c in m.candidates.get(prompt, [])}
+            m.candidates.setdefault(prompt, []).extend(c for c in old.get("candidates", [])
+                                                       if c["completion_id"] not in have)
+            waiting = {fb["event_id"] for fb in m.waiting.get(prompt, [])}
+            matches = [match for fb in old.get("waiting", []) if fb["event_id"] not in waiting
+                       and (match := m.on_feedback(fb)) is not None]
+            m.stream_time = max(m.stream_time, old.get("t", 0))
+            save_matcher(prompt, m, partition, also_keep={c["completion_id"] for c in old.get("candidates", [])})
+            for cid, fb in matches:
+                await join_feedback(cid, fb, partition)
+        else:  # a completion's state: the old one, then what this partition learned of it meanwhile
+            skey = _completion_state_key(key)
+            if skey in state and state[skey].get("p") != partition:
+                return  # moved to every partition (its user unknown): the first to take it keeps it
+            j, new = joiner_from(value["entry"], key), state[skey]
+            j.seen_feedback.update(new.get("seen", {}))
+            j.stream_time = max(j.stream_time, new.get("t", 0))
+            episodes = []
+            if new.get("closed") and key not in j.closed:
+                j.open.pop(key, None)
+                j.closed[key] = new.get("served_at", 0)
+            elif new.get("completion"):  # it came here first: now its early feedback, old and new, joins it
+                episodes += j.on_completion(new["completion"])
+            episodes += [ep for fb in new.get("early", []) if (ep := j.on_feedback(key, fb)) is not None]
+            cands = cands_of(value["entry"]["completion"]) if value["entry"].get("completion") else None
+            save_joiner(key, j, partition, cands)
+            candidates.add(key, cands)
+            for ep in episodes:
+                await emit(ep)
 
     # -- stage C (only for specs that weigh judge or tests): score, then publish ---------------------------
 
@@ -461,38 +677,80 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     @app.timer(interval=1.0)
     async def tick():
         value = json.dumps({"kind": "tick", "now": int(time.time() * 1000)}).encode()
-        for topic in (by_prompt, by_completion):
-            for partition in range(settings.topic_partitions):
-                ticker.produce(topic.get_topic_name(), value, key=TICK_KEY, partition=partition)
+        for partition in range(settings.topic_partitions):
+            ticker.produce(rekeyed.get_topic_name(), value, key=TICK_KEY, partition=partition)
         ticker.poll(0)
 
     return app
 
 
-def _prompt_key(record: dict) -> bytes:
-    return f"{record['project_id']}\x1f{record['user_id']}\x1f{record['prompt_sha256']}".encode()
+LEGACY_STAGES = ("by-prompt", "by-completion")
+"""The re-keying topics of the worker before issue 32 (its two stages), drained into the one join."""
+LEGACY_HOLD_MIN_MS = 10_000
+"""The least time (wall) a key the move wrote waits before time alone may close it (``legacy_hold``)."""
+LEGACY_KEY = b"__legacy__"
+"""The key of a legacy stage's record or table entry moved to its home partition (``streams.app``)."""
+TYPE_OF_TOPIC = {COMPLETIONS.name: "CompletionServed", FEEDBACK.name: "FeedbackReceived"}
 
 
-def _key_bytes(key: tuple) -> bytes:
-    return "\x1f".join(key).encode()
+def _user_key(record: dict) -> bytes:
+    return user_key(record).encode()
 
 
-def _prompt_tuple(key: bytes) -> tuple:
-    return tuple(key.decode().split("\x1f"))
+def _prompt_tuple_of(record: dict) -> tuple:
+    return (record["project_id"], record["user_id"], record["prompt_sha256"])
 
 
-def _identity_key(fb: dict) -> bytes:
+def _prompt_state_key(key: tuple) -> bytes:
+    return ("p\x1f" + "\x1f".join(key)).encode()
+
+
+def _is_prompt_state_key(skey: bytes) -> bool:
+    return skey.startswith(b"p\x1f")
+
+
+def _prompt_tuple(skey: bytes, legacy: bool = False) -> tuple:
+    """A prompt key from its state key (or, ``legacy``, from an old stage's key: no kind mark)."""
+    return tuple(skey.decode().split("\x1f")[0 if legacy else 1:])
+
+
+def _completion_state_key(cid: str) -> bytes:
+    return ("c\x1f" + cid).encode()
+
+
+def _completion_of_state_key(skey: bytes) -> str:
+    return skey.decode()[2:]
+
+
+def _identity(fb: dict) -> str:
+    """The key of unmatched feedback: the IDE's id for it when there is one, so a repeat dedupes."""
     ident = fb.get("client_completion_id")
-    return (f"fb:{fb['project_id']}/{ident}" if ident else f"fb:{fb['event_id']}").encode()
+    return f"fb:{fb['project_id']}/{ident}" if ident else f"fb:{fb['event_id']}"
+
+
+def _legacy_user(stage: str, key: bytes, value: dict) -> tuple | None:
+    """(project, user) of an old stage's record or table entry; None where it does not say (a closed
+    completion's state): that one goes to every partition, and its home keeps it."""
+    if stage == "prompt":
+        return tuple(key.decode().split("\x1f")[:2])
+    record = value.get("record") or value.get("completion") or next(iter(value.get("early") or []), None)
+    return None if record is None else (record["project_id"], record["user_id"])
+
+
+def _draining(each_event, handle):
+    async def drain(stream):
+        await each_event(stream, handle)
+    return drain
 
 
 def internal_topics(app_id: str = APP_ID) -> tuple[Topic, ...]:
-    """The worker's own topics: repartitions and table changelogs (``{app_id}-{table}-changelog``)."""
+    """The worker's own topics: re-keying, scoring and table changelogs (``{app_id}-{table}-changelog``);
+    the stages of a worker from before issue 32 too, while anything may be left on them."""
     repartition = {"cleanup.policy": "delete", "retention.ms": str(7 * 24 * 3600 * 1000)}
-    return tuple([Topic(f"{app_id}-{name}", "(internal)", repartition) for name in ("by-prompt", "by-completion",
-                                                                                       "to-score")]
+    return tuple([Topic(f"{app_id}-{name}", "(internal)", repartition)
+                  for name in ("rekeyed", "to-score") + LEGACY_STAGES]
                  + [Topic(f"{app_id}-{table}-changelog", "(internal)", {"cleanup.policy": "compact"})
-                    for table in ("prompt-state", "completion-state")])
+                    for table in ("join-state", "prompt-state", "completion-state")])
 
 
 def run_worker(settings: Settings, **kwargs) -> None:

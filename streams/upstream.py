@@ -148,6 +148,12 @@ class SeekSafeConsumer(AIOKafkaConsumer):
         self._last_handed: dict = {}  # tp -> (offset, epoch) of the message the fetch loop holds
         self._read_offset = _ReadOffsets(self)
 
+    def committed_offset(self, tp) -> int | None:
+        """The partition's committed offset as this consumer last set or learned it (the next offset to
+        read; None: not known, or 0), without a call to its thread: a commit has taken every record before
+        it, so a partition whose committed offset is at its end has nothing left to read."""
+        return self._committed_offset.get(tp)
+
     def _new_consumer_thread(self) -> "ListedHighwatersThread":
         return ListedHighwatersThread(self, loop=self.loop, beacon=self.beacon)
 

@@ -188,10 +188,11 @@ def stalled_partitions(settings, settle_s: float = 20.0) -> dict:
 
 
 def feedback_waiting(settings, app_id: str = "tabloop-streams", timeout_s: float = 30.0) -> int:
-    """Feedback the streams worker holds in its tables, still waiting for a completion (``waiting`` in its
-    prompt state, ``early`` in its completion state): what could still become an episode by time alone (an
-    unmatched one, once its lateness has passed). Read from the tables' changelogs as a restarted worker
-    restores them: read_committed, the last value of each key.
+    """Feedback the streams worker holds in its tables, still waiting for a completion (``waiting`` in a
+    prompt's state, ``early`` in a completion's; the join's one table, and the two tables of a worker from
+    before issue 32): what could still become an episode by time alone (an unmatched one, once its lateness
+    has passed). Read from the tables' changelogs as a restarted worker restores them: read_committed, the
+    last value of each key.
 
     A drill that has its episodes waits for this to reach 0 (and the worker's lag, internal topics included)
     before it reads the topic for the last time, instead of sleeping out the lateness and the idle close."""
@@ -201,7 +202,8 @@ def feedback_waiting(settings, app_id: str = "tabloop-streams", timeout_s: float
                        "enable.auto.commit": False, "isolation.level": "read_committed",
                        "enable.partition.eof": True})
     try:
-        topics = {f"{app_id}-prompt-state-changelog": "waiting", f"{app_id}-completion-state-changelog": "early"}
+        topics = {f"{app_id}-prompt-state-changelog": "waiting", f"{app_id}-completion-state-changelog": "early",
+                  f"{app_id}-join-state-changelog": None}
         metadata = reader.list_topics(timeout=10).topics
         parts = [TopicPartition(t, p, 0) for t in topics if t in metadata for p in metadata[t].partitions]
         reader.assign(parts)
@@ -218,8 +220,11 @@ def feedback_waiting(settings, app_id: str = "tabloop-streams", timeout_s: float
                     reading.discard((m.topic(), m.partition()))
                 continue
             latest[(m.topic(), m.key())] = m.value()
-        return sum(1 for (topic, _), value in latest.items()
-                   if value and json.loads(value).get(topics[topic]))
+        def waits(topic, key, value) -> bool:
+            field = topics[topic] or ("waiting" if key.startswith(b"p\x1f") else "early")
+            return bool(value and json.loads(value).get(field))
+
+        return sum(1 for (topic, key), value in latest.items() if waits(topic, key, value))
     finally:
         reader.close()
 

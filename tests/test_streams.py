@@ -146,8 +146,8 @@ def nothing_left_to_close(settings, timeout_s: float) -> None:
     last read, instead of sleeping out the lateness and the idle close: a wrong late episode still shows (it
     comes from feedback that waits), and a right run does not pay for the wait.
 
-    Waiting is read on both sides of the lag: feedback that expires is sent on through the worker's own
-    topic (one more try under its reuse key), in flight between the two reads of an earlier round."""
+    Waiting is read on both sides of the lag: input the worker moves to its home partition (through its
+    own topic) is in flight between the two reads of an earlier round."""
     rounds = []
 
     def quiet_twice() -> bool:

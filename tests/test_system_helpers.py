@@ -43,3 +43,12 @@ def test_feedback_waiting_counts_the_last_state_of_each_key(kafka, tmp_path):
     write(completion, b"c1", {"completion": {"completion_id": "c1"}, "t": 2})  # its completion came
     assert writer.flush(30) == 0
     assert feedback_waiting(settings, app_id) == 1
+
+    # The one join's table: both kinds of state under one changelog, told apart by their keys.
+    joined = f"{app_id}-join-state-changelog"
+    ensure_topics(settings, (Topic(joined, "(internal)", {}),))
+    write(joined, b"p\x1fproj\x1fuser\x1fsha", {"waiting": [{"event_id": "f5"}], "candidates": []})
+    write(joined, b"c\x1fc3", {"early": [{"event_id": "f6"}]})
+    write(joined, b"c\x1fc4", {"waiting": [{"event_id": "not a prompt's"}], "closed": True})
+    assert writer.flush(30) == 0
+    assert feedback_waiting(settings, app_id) == 3
