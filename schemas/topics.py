@@ -42,6 +42,8 @@ GATES = Topic("tabloop.gates", "GateVersion", COMPACTED, partitions=1)
 
 CATALOG: tuple[Topic, ...] = (COMPLETIONS, FEEDBACK, EPISODES, WEIGHTS, DEADLETTER, GATES)
 TOPIC_BY_NAME = {t.name: t for t in CATALOG}
+
+
 def home_partition(key: bytes, partitions: int) -> int:
     """The partition a keyed record lands on: librdkafka's ``consistent_random`` partitioner (CRC-32 of the
     key), which every tabloop producer names (``infra.bus``). The streams worker checks input against it and

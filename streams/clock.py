@@ -27,7 +27,8 @@ Four rules keep that from running late, running back, or running ahead (issue 32
   the worker has consumed it (each of its sources: the join reads partition *n* of three topics) up to
   the offset that was its end then (the worker asks its consumer
   for that end on the partition's first tick; any record at or past ``end - 1`` counts, so a
-  transaction marker at the end is passed by the next tick). Until then the wall clock closes
+  transaction marker at the end is passed by the next tick; a source with nothing to read, its
+  committed offset already at its end, the worker reports as read). Until then the wall clock closes
   nothing: a restarted worker would otherwise close feedback as unmatched while the backlog that
   holds its completion is still unread. A partition with nothing seen yet (state restored from the
   changelog, no backlog) ages by ``wall - idle_close_ms`` as before, once caught up.
