@@ -36,7 +36,8 @@ from infra.settings import Settings
 from schemas.codec import EventDecodeError
 from schemas.events import Event, new_event, user_key
 from schemas.token_ids import packed_text
-from schemas.topics import CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, TICK_KEY, Topic, home_partition
+from schemas.topics import (CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, TICK_KEY, TOPIC_BY_NAME, Topic,
+                            home_partition)
 from streams.clock import PartitionClock
 from streams.join import REUSE_MARK, EpisodeJoiner, JoinConfig, PromptMatcher, millis, reuse_key
 from streams.rewards import RewardSpecs
@@ -239,9 +240,9 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         return {"wall_ms": time.time() * 1000, "end_offset": end_of(event.message.tp),
                 "source": event.message.topic}
 
-    def advance(partition: int, record: dict, field: str, resent: bool = False) -> None:
+    def advance(partition: int, record: dict, field: str) -> None:
         t = millis(record[field]) if record.get(field) is not None else 0
-        clock.advance(partition, t, time.time() * 1000, resent=resent)
+        clock.advance(partition, t, time.time() * 1000)
 
     async def dead_letter(event, error: Exception) -> None:
         counts["dead_letters"] += 1
@@ -257,8 +258,10 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
             e = codec.decode(event.value)
         except EventDecodeError as exc:
             return exc
-        if e.type != TYPE_OF_TOPIC.get(event.message.topic, e.type):
-            return EventDecodeError(f"{e.type} on a topic of {TYPE_OF_TOPIC[event.message.topic]}")
+        topic = TOPIC_BY_NAME.get(event.message.topic)  # None: the rekeyed topic, which carries either
+        expected = topic.event_type if topic else e.type
+        if e.type != expected:
+            return EventDecodeError(f"{e.type} on a topic of {expected}")
         if e.type not in ("CompletionServed", "FeedbackReceived"):
             return EventDecodeError(f"{e.type} is neither a completion nor feedback")
         return plain(e.record)
@@ -487,7 +490,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
                 legacy_hold.pop(skey, None)
                 await (expire_prompt if _is_prompt_state_key(skey) else expire_completion)(skey, partition, now)
 
-    async def forward(event, rec: dict, partition: int) -> None:
+    async def forward(event, partition: int) -> None:
         """Input off its home partition: on to the home partition, as it came (processed there)."""
         counts["rekeyed"] += 1
         await rekeyed.send(key=event.key, value=event.value, partition=partition)
@@ -524,7 +527,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
                 return await dead_letter(event, ValueError(
                     f"rekeyed to partition {partition}, whose home is {home}: do the workers agree on "
                     f"TABLOOP_TOPIC_PARTITIONS ({settings.topic_partitions})?"))
-            return await forward(event, rec, home)
+            return await forward(event, home)
         if "served_at" in rec:
             advance(partition, rec, "served_at")
             await on_completion(rec, partition)
@@ -690,7 +693,6 @@ LEGACY_HOLD_MIN_MS = 10_000
 """The least time (wall) a key the move wrote waits before time alone may close it (``legacy_hold``)."""
 LEGACY_KEY = b"__legacy__"
 """The key of a legacy stage's record or table entry moved to its home partition (``streams.app``)."""
-TYPE_OF_TOPIC = {COMPLETIONS.name: "CompletionServed", FEEDBACK.name: "FeedbackReceived"}
 
 
 def _user_key(record: dict) -> bytes:
