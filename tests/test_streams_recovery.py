@@ -198,3 +198,69 @@ def test_a_batch_fetched_before_a_seek_with_nothing_committed_is_read_again_from
     assert app.raced  # the race happened
     assert crash is None
     assert seen == list(range(20))  # each once, in order: the suspect batch was not handed on, then re-read
+
+
+class _SlowSeek(SeekSafeConsumer):
+    """Its seek to the committed offsets after a rebalance takes a second, as a committed() round trip
+    for each of a worker's partitions can on a busy machine."""
+
+    async def perform_seek(self) -> None:
+        await asyncio.sleep(1.0)
+        await super().perform_seek()
+
+
+class _SlowSeekApp(StreamsApp):
+    def _new_transport(self):
+        transport = super()._new_transport()
+        transport.Consumer = _SlowSeek
+        return transport
+
+
+@pytest.mark.kafka
+def test_no_message_is_handed_on_before_the_seek_that_follows_a_rebalance(kafka, tmp_path):
+    """Found by the migration test (its first worker, about one run in seven): Faust resumes the stream
+    partitions and only then seeks them to their committed offsets, with its fetcher running (it restored
+    the tables). Messages handed on meanwhile were either processed before the seek or stale after it, and
+    with nothing committed the seek left the position past them: never read again. Here the seek takes a
+    second and the agent is slow: every message must still be processed, once, in order."""
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    topic, app_id, table = unique("slow-seek"), unique("slow-seek-app"), unique("slow-seek-table")
+    changelog = f"{app_id}-{table}-changelog"
+    admin = admin_client(settings)
+    for name in (topic, changelog):
+        admin.create_topics([NewTopic(name, 1, 1)])[name].result(30)
+    producer = Producer({"bootstrap.servers": settings.kafka_bootstrap})
+    for i in range(20):
+        producer.produce(topic, value=b"%d" % i, partition=0)
+    # A table with something to restore: Faust's fetcher is running when the stream partitions are resumed.
+    producer.produce(changelog, value=b"1", key=b'"k"', partition=0)
+    producer.flush(30)
+    app = _SlowSeekApp(app_id, broker=f"kafka://{settings.kafka_bootstrap}", store="memory://",
+                       web_enabled=False, consumer_auto_offset_reset="earliest", topic_partitions=1,
+                       datadir=str(tmp_path / "faust"))
+    app.Table(table, default=int, partitions=1)  # JSON keys and values, Faust's default
+    seen: list[int] = []
+
+    @app.agent(app.topic(topic, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw"))
+    async def collect(stream):
+        async for event in stream.events():
+            if app.consumer.stale(event.message):  # as the worker's agents do (streams.app.each_event)
+                event.ack()
+                continue
+            seen.append(int(event.value))
+            await asyncio.sleep(0.2)  # slower than the seek: messages would wait, handed on, across it
+            event.ack()
+
+    async def run() -> None:
+        await app.start()
+        try:
+            for _ in range(200):
+                if len(seen) >= 20 or app.consumer.crash_reason:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # a duplicate, if any, would come now
+        finally:
+            await app.stop()
+
+    asyncio.run(run())
+    assert seen == list(range(20))
