@@ -42,7 +42,7 @@ from streams.clock import PartitionClock
 from streams.join import REUSE_MARK, EpisodeJoiner, JoinConfig, PromptMatcher, millis, reuse_key
 from streams.rewards import RewardSpecs
 from streams.scoring import Scorers, rescored
-from streams.upstream import StreamsApp, TransactionalTable, dead_producers
+from streams.upstream import ChangelogWrites, StreamsApp, TransactionalTable, dead_producers
 
 log = logging.getLogger("tabloop.streams")
 APP_ID = "tabloop-streams"
@@ -173,7 +173,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         broker_commit_interval=settings.streams_commit_interval_s,
     )
     app.tabloop_processing = processing = asyncio.Lock()
-    app.tabloop_pending = pending = []
+    app.tabloop_changes = changes = ChangelogWrites(app)
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
     episodes_out = app.topic(EPISODES.name, **raw)
     deadletter_out = app.topic(DEADLETTER.name, **raw)
@@ -296,11 +296,8 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
                     log.exception("could not process %s[%d]@%d", event.message.topic, event.message.partition,
                                   event.message.offset)
                     await dead_letter(event, exc)
-                for tbl, partition, key, value, value_serializer in pending:
-                    await tbl.changelog_topic.send(key=key, value=value, partition=partition,
-                                                   key_serializer=tbl.key_serializer,
-                                                   value_serializer=value_serializer or tbl.value_serializer)
-                pending.clear()
+                if not app.in_transaction:  # at least once: its state changes go before its offset can
+                    await changes.send([None])
                 event.ack()  # inside the unit: a commit takes its offset together with its effects
 
     # -- the join: every rule decided inside one partition (one project and user) ---------------------------

@@ -5,7 +5,8 @@ issue it works around where one is known, and is covered by a test that fails if
 touches (tests/test_streams*.py, the fault drills). ``StreamsApp`` wires them into Faust's transport.
 
 - ``TransactionalTable``: table changelog writes inside the event's transaction (stock Faust sends them
-  from a background buffer; robinhood/faust#599 is the nearest report).
+  from a background buffer; robinhood/faust#599 is the nearest report), a key's last value only, when
+  the transaction commits (``ChangelogWrites``).
 - ``SourceBoundTransactions``: a repartitioned send commits with its input's offset (duplicates after a
   crash otherwise; faust-streaming/faust#517 reports such duplicates under exactly_once).
 - ``SeekSafeConsumer``: no commit stall after a seek (faust-streaming/faust#596), stream partitions
@@ -49,20 +50,77 @@ def dead_producers(producer) -> list[str]:
     return found
 
 
+class ChangelogWrites:
+    """Table changes waiting for their transaction's commit, one per key: the last value (None: deleted).
+
+    Each change belongs to the transaction of the event that made it (its source partition's producer,
+    ``transactional_id_of``). When that transaction commits (``SourceBoundTransactions.commit``), the
+    changes go out first, in it, sent straight to the producer: a key written twice between two commits
+    (a completion opened and closed, feedback that came first and its completion) costs one record, and
+    none pays for Faust's per-message send path. Nothing reads a changelog but a restore, which only
+    sees committed records, so a record sent at commit time restores the same table as one sent at
+    once. The changes of a transaction that is not committed (its partitions revoked first) are dropped
+    with it: its input is read again by the partition's next owner.
+
+    At least once there are no transactions: the agent sends an event's changes (``send([None])``, the
+    plain producer) before it acks the event, as stock Faust would send them before their offset."""
+
+    def __init__(self, app: faust.App) -> None:
+        self.app = app
+        self._by_transaction: dict[str | None, dict[tuple, tuple]] = defaultdict(dict)
+
+    def write(self, table: faust.Table, key, value) -> None:
+        event = current_event()
+        if event is None:  # every table write is made while an event is processed (streams/app.py)
+            raise RuntimeError(f"table {table.name!r} written outside the processing of an event: there is "
+                               "no transaction to put the change in")
+        partition = table.partition_for_key(key)
+        tid = transactional_id_of(self.app, event.message.tp) if self.app.in_transaction else None
+        self._by_transaction[tid][(table.changelog_topic.get_topic_name(), partition, key)] = (table, value)
+
+    async def send(self, transactional_ids) -> int:
+        """Send the waiting changes of these transactions into them (None: no transaction, the plain
+        producer); how many records that took."""
+        sent = 0
+        serializers = self.app.serializers
+        for tid in transactional_ids:
+            changes = self._by_transaction.pop(tid, None)
+            for (topic, partition, key), (table, value) in (changes or {}).items():
+                await self.app.producer.send(
+                    topic, serializers.dumps_key(table.key_type, key, serializer=table.key_serializer),
+                    None if value is None else serializers.dumps_value(table.value_type, value,
+                                                                       serializer=table.value_serializer),
+                    partition, None, None, transactional_id=tid)
+                sent += 1
+        return sent
+
+    def drop(self, transactional_ids) -> None:
+        for tid in transactional_ids:
+            self._by_transaction.pop(tid, None)
+
+    def waiting(self) -> int:
+        return sum(len(changes) for changes in self._by_transaction.values())
+
+
+def transactional_id_of(app: faust.App, source) -> str:
+    """The transactional id of a source partition's producer, as Faust names it (``TransactionManager``)."""
+    return f"{app.conf.id}-{app.assignor.group_for_topic(source.topic)}-{source.partition}"
+
+
 class TransactionalTable(faust.Table):
-    """A Faust table whose changelog writes wait for the agent to send them inside its transaction.
+    """A Faust table whose changelog writes go out in the transaction of the event that made them.
 
     Stock Faust queues changelog writes in a producer buffer that a background task drains, so a
     commit can carry an event's offset without its state change (or the reverse). Here every write
-    is held in ``app.tabloop_pending`` and sent by ``TransactionalProcessing`` before the event
-    counts as processed: state, outputs and offsets commit together or not at all.
+    waits in ``app.tabloop_changes`` (``ChangelogWrites``) and goes out in its event's transaction
+    when that commits: state, outputs and offsets commit together or not at all.
     """
 
     def on_key_set(self, key, value) -> None:
-        self.app.tabloop_pending.append((self, self.partition_for_key(key), key, value, None))
+        self.app.tabloop_changes.write(self, key, value)
 
     def on_key_del(self, key) -> None:
-        self.app.tabloop_pending.append((self, self.partition_for_key(key), key, None, "raw"))
+        self.app.tabloop_changes.write(self, key, None)
 
 
 class SourceBoundTransactions(TransactionManager):
@@ -80,15 +138,20 @@ class SourceBoundTransactions(TransactionManager):
         event = current_event()
         if event is None:  # not inside an agent: Faust's own rule
             return await super().send(topic, key, value, partition, timestamp, headers)
-        source = event.message.tp
-        group = self.app.assignor.group_for_topic(source.topic)
         return await self.producer.send(
             topic, key, value, self.consumer.key_partition(topic, key, partition), timestamp, headers,
-            transactional_id=f"{self.app.conf.id}-{group}-{source.partition}")
+            transactional_id=transactional_id_of(self.app, event.message.tp))
 
     async def commit(self, offsets, start_new_transaction: bool = True) -> bool:
         async with self.app.tabloop_processing:
+            await self.app.tabloop_changes.send({transactional_id_of(self.app, tp) for tp in offsets})
             return await super().commit(offsets, start_new_transaction=start_new_transaction)
+
+    async def on_rebalance(self, assigned, revoked, newly_assigned) -> None:
+        # Revoked partitions were committed first (Faust's wait_empty): what is left of theirs was never
+        # committed, and its producer is about to stop.
+        self.app.tabloop_changes.drop({transactional_id_of(self.app, tp) for tp in revoked})
+        await super().on_rebalance(assigned, revoked, newly_assigned)
 
 
 class ListedHighwatersThread(AIOKafkaConsumerThread):

@@ -67,3 +67,13 @@ def test_a_few_hundred_events_give_each_episode_once_a_dead_letter_and_scores(ow
         offsets.setdefault(r.partition, []).append(r.offset)
     gaps = any(o[-1] - o[0] + 1 > len(o) or o[0] > 0 for o in offsets.values())
     assert gaps == (guarantee == "exactly_once"), offsets
+    # A completion's state is written when it opens and again when it closes; exactly once sends a key's
+    # last value when its transaction commits, so the burst's completions, opened and closed between two
+    # commits, mostly cost one changelog record each (at least once: about half of them two) (``streams.upstream.ChangelogWrites``).
+    writes = Counter(r.key for r in read_topic(settings, "tabloop-streams-join-state-changelog")
+                     if r.key.startswith(b"c\x1f"))
+    per_completion = sum(writes.values()) / len(writes)
+    if guarantee == "exactly_once":
+        assert 1 <= per_completion < 1.2, (per_completion, writes.most_common(3))
+    else:
+        assert per_completion > 1.3, per_completion  # sent as each event is processed: 1.5 in a run
