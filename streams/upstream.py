@@ -246,6 +246,13 @@ class SeekSafeConsumer(AIOKafkaConsumer):
     async def perform_seek(self) -> None:
         try:
             await super().perform_seek()
+            # aiokafka seeks only partitions with an offset committed above 0 and leaves the others where its
+            # fetches got to; what it handed over and Faust then skipped (a partition paused as a rebalance
+            # began while its fetch was out) would never come again. Nothing committed means nothing
+            # was done (under exactly-once nothing of its output committed either): read from the start.
+            for tp in self.assignment():
+                if not self._is_changelog_tp(tp) and not self._committed_offset.get(tp):
+                    await self._thread.seek_to_beginning(TopicPartition(tp.topic, tp.partition))
             for tp in self.assignment():
                 self.seek_epoch[tp] += 1
                 self._seek_target[tp] = dict.get(self._read_offset, tp)
@@ -263,6 +270,15 @@ class SeekSafeConsumer(AIOKafkaConsumer):
         dict.__setitem__(self._read_offset, tp, offset if offset else None)  # whatever the fetch loop holds
 
     # -- fetching: drop what was fetched before its partition's latest seek --------------------------
+
+    async def _getmany(self, active_partitions, timeout: float):
+        """Faust hands the consumer thread its live set of active partitions. Paused empty meanwhile (after
+        the tables' restore, before the streams resume), aiokafka read "no partitions" as "every partition"
+        and returned the stream partitions' prefetched records, which Faust then skipped as not active:
+        their positions had moved past them for good (the migration test's first worker, from its first
+        tick on). A copy asks for exactly the partitions active when the fetch began."""
+        return await super()._getmany(frozenset(active_partitions) if active_partitions is not None else None,
+                                      timeout)
 
     async def _wait_next_records(self, timeout: float):
         if not self.flow_active:  # paused for a rebalance, which ends with a seek: wait for that first
