@@ -42,7 +42,7 @@ from streams.clock import PartitionClock
 from streams.join import REUSE_MARK, EpisodeJoiner, JoinConfig, PromptMatcher, millis, reuse_key
 from streams.rewards import RewardSpecs
 from streams.scoring import Scorers, rescored
-from streams.upstream import ChangelogWrites, StreamsApp, TransactionalTable, dead_producers
+from streams.upstream import ChangelogWrites, StreamsApp, TransactionalTable, dead_producers, send_raw
 
 log = logging.getLogger("tabloop.streams")
 APP_ID = "tabloop-streams"
@@ -175,7 +175,6 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     app.tabloop_processing = processing = asyncio.Lock()
     app.tabloop_changes = changes = ChangelogWrites(app)
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-    episodes_out = app.topic(EPISODES.name, **raw)
     deadletter_out = app.topic(DEADLETTER.name, **raw)
     # Input found off its home partition (another producer's partitioner, events keyed before issue 32, an
     # old worker's stages) goes on here, to the home partition, as do the clock's ticks.
@@ -268,14 +267,16 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
 
     async def emit(episode: Event) -> None:
         """Publish an episode, or first have it scored when its project's spec weighs judge or tests."""
-        record = plain(episode.record)
-        wanted = scorers.wanted(specs.for_project(record["project_id"]), record)
-        if wanted:
-            counts["to_score"] += 1
-            await to_score.send(key=episode.key.encode(), value={"episode": record, "wanted": wanted})
-            return
+        spec = specs.for_project(episode.record["project_id"])
+        if scorers.weighs(spec):
+            record = plain(episode.record)
+            wanted = scorers.wanted(spec, record)
+            if wanted:
+                counts["to_score"] += 1
+                await to_score.send(key=episode.key.encode(), value={"episode": record, "wanted": wanted})
+                return
         counts["episodes_out"] += 1
-        await episodes_out.send(key=episode.key.encode(), value=codec.encode(episode))
+        await send_raw(app, EPISODES.name, episode.key.encode(), codec.encode(episode))
 
     async def each_event(stream, handle, prepare=None) -> None:
         """Run ``handle`` on every event as one unit: its sends and table writes go out in the
@@ -651,7 +652,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
             counts[f"scoring_errors_{component}"] += 1
         counts["episodes_out"] += 1
         scored = Event("Episode", record)
-        await episodes_out.send(key=scored.key.encode(), value=codec.encode(scored))
+        await send_raw(app, EPISODES.name, scored.key.encode(), codec.encode(scored))
 
     @app.agent(to_score, concurrency=scorers.concurrency)
     async def score(stream):

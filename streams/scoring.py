@@ -128,9 +128,15 @@ class Scorers:
         return cls(judge, tests, settings.tests_timeout_s, settings.tests_memory_mb * 2**20,
                    settings.scoring_concurrency)
 
+    def weighs(self, spec: RewardSpec) -> bool:
+        """Whether ``spec`` weighs a component scored here (judge or tests): if not, no episode of it waits
+        for scoring, and ``wanted`` need not look at one."""
+        return (spec.weights.get("judge", 0) > 0 and self.judge is not None) or \
+            (spec.weights.get("tests", 0) > 0 and self.tests is not None)
+
     def wanted(self, spec: RewardSpec, episode: dict) -> list[str]:
         """The extra components this episode should get under ``spec`` (empty: publish it as it is)."""
-        if not episode["matched"] or episode_cursor(episode) is None:
+        if not self.weighs(spec) or not episode["matched"] or episode_cursor(episode) is None:
             return []
         out = []
         if spec.weights.get("judge", 0) > 0 and self.judge is not None:

@@ -102,6 +102,18 @@ class ChangelogWrites:
         return sum(len(changes) for changes in self._by_transaction.values())
 
 
+async def send_raw(app: faust.App, topic: str, key: bytes, value: bytes | None) -> None:
+    """Send one record in the transaction of the event being processed (at least once: the plain producer),
+    straight to the producer: what a Faust ``Topic.send`` does there, without its per-message futures,
+    callbacks and sensors (0.17 ms a send against 0.04 ms in a cProfile of the worker). The partition is
+    the producer's own from the key, as Faust's would be."""
+    event = current_event()
+    if app.in_transaction and event is None:
+        raise RuntimeError(f"a send to {topic!r} outside the processing of an event: no transaction to put it in")
+    await app.producer.send(topic, key, value, None, None, None,
+                            transactional_id=transactional_id_of(app, event.message.tp) if app.in_transaction else None)
+
+
 def transactional_id_of(app: faust.App, source) -> str:
     """The transactional id of a source partition's producer, as Faust names it (``TransactionManager``)."""
     return f"{app.conf.id}-{app.assignor.group_for_topic(source.topic)}-{source.partition}"
