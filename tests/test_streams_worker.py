@@ -28,8 +28,10 @@ WINDOW_S, LATENESS_S = 5, 2
 def test_a_few_hundred_events_give_each_episode_once_a_dead_letter_and_scores(own_kafka, tmp_path, guarantee):
     """Both guarantees `tabloop streams --guarantee` offers join the same episodes when nothing fails (at least
     once may repeat output only after a crash)."""
+    # Commits 3 s apart (0.5 s by default): the burst's completions mostly open and close between two, so
+    # the changelog count below does not hang on how fast a busy machine publishes the burst.
     settings = make_settings(tmp_path, kafka_bootstrap=own_kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
-                             join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
+                             join_lateness_s=LATENESS_S, idle_close_s=IDLE_S, streams_commit_interval_s=3)
     ensure_topics(settings)
     events, expected, kinds = scenario(seed=5, n_completions=300, n_feedback=300)
     assert kinds["by_id"] and kinds["by_prompt"] and kinds["expired"] and kinds["cache_hit"] and kinds["duplicate"]
@@ -69,11 +71,12 @@ def test_a_few_hundred_events_give_each_episode_once_a_dead_letter_and_scores(ow
     assert gaps == (guarantee == "exactly_once"), offsets
     # A completion's state is written when it opens and again when it closes; exactly once sends a key's
     # last value when its transaction commits, so the burst's completions, opened and closed between two
-    # commits, mostly cost one changelog record each (at least once: about half of them two) (``streams.upstream.ChangelogWrites``).
+    # commits, mostly cost one changelog record each (``streams.upstream.ChangelogWrites``); at least once, about
+    # half of them cost two.
     writes = Counter(r.key for r in read_topic(settings, "tabloop-streams-join-state-changelog")
                      if r.key.startswith(b"c\x1f"))
     per_completion = sum(writes.values()) / len(writes)
     if guarantee == "exactly_once":
-        assert 1 <= per_completion < 1.2, (per_completion, writes.most_common(3))
+        assert 1 <= per_completion < 1.25, (per_completion, writes.most_common(3))  # 1.01 in a run
     else:
         assert per_completion > 1.3, per_completion  # sent as each event is processed: 1.5 in a run
