@@ -70,18 +70,13 @@ class ChangelogWrites:
         self._by_transaction: dict[str | None, dict[tuple, tuple]] = defaultdict(dict)
 
     def write(self, table: faust.Table, key, value) -> None:
-        event = current_event()
-        if event is None:  # every table write is made while an event is processed (streams/app.py)
-            raise RuntimeError(f"table {table.name!r} written outside the processing of an event: there is "
-                               "no transaction to put the change in")
-        partition = table.partition_for_key(key)
-        tid = transactional_id_of(self.app, event.message.tp) if self.app.in_transaction else None
-        self._by_transaction[tid][(table.changelog_topic.get_topic_name(), partition, key)] = (table, value)
+        tid = current_transaction(self.app, f"table {table.name!r} written")
+        self._by_transaction[tid][(table.changelog_topic.get_topic_name(), table.partition_for_key(key), key)] = \
+            (table, value)
 
-    async def send(self, transactional_ids) -> int:
+    async def send(self, transactional_ids) -> None:
         """Send the waiting changes of these transactions into them (None: no transaction, the plain
-        producer); how many records that took."""
-        sent = 0
+        producer)."""
         serializers = self.app.serializers
         for tid in transactional_ids:
             changes = self._by_transaction.pop(tid, None)
@@ -91,15 +86,10 @@ class ChangelogWrites:
                     None if value is None else serializers.dumps_value(table.value_type, value,
                                                                        serializer=table.value_serializer),
                     partition, None, None, transactional_id=tid)
-                sent += 1
-        return sent
 
     def drop(self, transactional_ids) -> None:
         for tid in transactional_ids:
             self._by_transaction.pop(tid, None)
-
-    def waiting(self) -> int:
-        return sum(len(changes) for changes in self._by_transaction.values())
 
 
 async def send_raw(app: faust.App, topic: str, key: bytes, value: bytes | None) -> None:
@@ -107,11 +97,17 @@ async def send_raw(app: faust.App, topic: str, key: bytes, value: bytes | None) 
     straight to the producer: what a Faust ``Topic.send`` does there, without its per-message futures,
     callbacks and sensors (0.17 ms a send against 0.04 ms in a cProfile of the worker). The partition is
     the producer's own from the key, as Faust's would be."""
-    event = current_event()
-    if app.in_transaction and event is None:
-        raise RuntimeError(f"a send to {topic!r} outside the processing of an event: no transaction to put it in")
     await app.producer.send(topic, key, value, None, None, None,
-                            transactional_id=transactional_id_of(app, event.message.tp) if app.in_transaction else None)
+                            transactional_id=current_transaction(app, f"a send to {topic!r}"))
+
+
+def current_transaction(app: faust.App, what: str) -> str | None:
+    """The transactional id of the event being processed (None: at least once, no transactions). Every
+    table write and send of the worker is made while an event is processed (streams/app.py)."""
+    event = current_event()
+    if event is None:
+        raise RuntimeError(f"{what} outside the processing of an event: there is no transaction to put it in")
+    return transactional_id_of(app, event.message.tp) if app.in_transaction else None
 
 
 def transactional_id_of(app: faust.App, source) -> str:
@@ -263,9 +259,8 @@ class SeekSafeConsumer(AIOKafkaConsumer):
             # began while its fetch was out) would never come again. Nothing committed means nothing
             # was done (under exactly-once nothing of its output committed either): read from the start.
             for tp in self.assignment():
-                if not self._is_changelog_tp(tp) and not self._committed_offset.get(tp):
+                if not self._is_changelog_tp(tp) and not self.committed_offset(tp):
                     await self._thread.seek_to_beginning(TopicPartition(tp.topic, tp.partition))
-            for tp in self.assignment():
                 self.seek_epoch[tp] += 1
                 self._seek_target[tp] = dict.get(self._read_offset, tp)
             # Forget messages handed on two seeks ago or earlier: one left over from just before this seek

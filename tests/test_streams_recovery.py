@@ -147,17 +147,25 @@ class _SeekDuringFirstFetch(SeekSafeConsumer):
         return records, active
 
 
-class _RacingApp(StreamsApp):
+class _AppWithConsumer(StreamsApp):
+    """A StreamsApp whose consumer is ``consumer_class`` (a SeekSafeConsumer made to race)."""
+
+    consumer_class = SeekSafeConsumer
+
+    def _new_transport(self):
+        transport = super()._new_transport()
+        transport.Consumer = self.consumer_class
+        return transport
+
+
+class _RacingApp(_AppWithConsumer):
     """A StreamsApp whose consumer races a seek against its first fetch of ``race_topic``."""
+
+    consumer_class = _SeekDuringFirstFetch
 
     def __init__(self, *args, race_topic: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.race_topic, self.raced = race_topic, False
-
-    def _new_transport(self):
-        transport = super()._new_transport()
-        transport.Consumer = _SeekDuringFirstFetch
-        return transport
 
 
 @pytest.mark.kafka
@@ -209,11 +217,8 @@ class _SlowSeek(SeekSafeConsumer):
         await super().perform_seek()
 
 
-class _SlowSeekApp(StreamsApp):
-    def _new_transport(self):
-        transport = super()._new_transport()
-        transport.Consumer = _SlowSeek
-        return transport
+class _SlowSeekApp(_AppWithConsumer):
+    consumer_class = _SlowSeek
 
 
 @pytest.mark.kafka
