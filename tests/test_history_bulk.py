@@ -60,12 +60,16 @@ def test_bulk_rows_equal_decoded_rows_for_every_event_type(tmp_path):
 
 
 def test_a_bad_body_behind_a_good_header_is_rejected_alone_and_nothing_stored_twice(tmp_path):
-    messages = [m for m in _messages(8) if m.topic == "t.completions"]
-    broken = messages[3]
-    messages[3] = Received(broken.topic, broken.partition, broken.offset, broken.key, broken.value[:-7], None, None)
+    # Every table in the batch: the completions' insert fails, the others are stored as they are.
+    messages = _messages(8)
+    at = next(i for i, m in enumerate(messages) if m.topic == "t.completions" and m.offset == 3)
+    broken = messages[at]
+    messages[at] = Received(broken.topic, broken.partition, broken.offset, broken.key, broken.value[:-7], None, None)
     store = new_store()
     sink = _sink(tmp_path, store)
-    assert sink.store_batch(messages) == {"completions": 7}
-    assert store.count("completions") == 7 and store.count("rejects") == 1
+    stored = {table: 7 if table == "completions" else 8 for table in EVENT_FOR_TABLE}
+    assert sink.store_batch(messages) == stored
+    assert {table: store.count(table) for table in EVENT_FOR_TABLE} == stored
+    assert store.count("rejects") == 1
     (error,) = store.query(f"SELECT error FROM {store.database}.rejects", read_only=False).rows[0]
     assert "Truncated" in error or "Corrupt" in error

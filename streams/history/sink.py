@@ -32,7 +32,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -68,6 +70,12 @@ SOURCE_COLUMNS = (("_topic", "LowCardinality(String)"), ("_partition", "Int32"),
 # String column of the bytes (the field's name + RAW_SUFFIX) and the array is computed from it by reinterpret.
 PACKED_FIELDS = frozenset({PACKED})
 RAW_SUFFIX = "_bytes"
+# The consumer fetches the next batch while the engine stores this one. librdkafka's default prefetch (64 MB,
+# 1 MB per partition and fetch) holds about 12k of the 5 KB completions and episodes: a 20k batch then waited
+# for fetches after every insert (`tabloop bench history`: the poll took 3.6–3.8 s of 9.3–9.6; with this,
+# 0.8–0.9 s, 1.4–1.7× the rows/s). This holds two batches of them; memory is bounded by it.
+PREFETCH = {"queued.max.messages.kbytes": 256 * 1024, "fetch.max.bytes": 100 * 1024 * 1024,
+            "max.partition.fetch.bytes": 10 * 1024 * 1024}
 # File extensions → language, for the acceptance view's language axis.
 LANGUAGES = {
     "py": "python", "pyi": "python", "ts": "typescript", "tsx": "typescript", "js": "javascript",
@@ -387,17 +395,24 @@ class HistoryStore:
             return
         header, names = self._avro_header(table)
         parts = [header]
-        topic_bytes: dict[str, bytes] = {}
+        where_from: dict[tuple[str, int], bytes] = {}  # (topic, partition) → their encoding, the source's start
+        sync = b""
         for r, at in messages:
-            t = topic_bytes.get(r.topic)
-            if t is None:
-                encoded = r.topic.encode()
-                t = topic_bytes[r.topic] = _avro_long(len(encoded)) + encoded
-            source = t + _avro_long(r.partition) + _avro_long(r.offset)
+            start = where_from.get((r.topic, r.partition))
+            if start is None:
+                topic = r.topic.encode()
+                start = where_from[(r.topic, r.partition)] = _avro_long(len(topic)) + topic + _avro_long(r.partition)
+            source = start + _avro_long(r.offset)
             body = memoryview(r.value)[at:]
-            parts += (_ONE, _avro_long(len(source) + len(body)), source, body, _SYNC)
+            # The previous block's sync marker, this block's count (1) and size, the source columns; the body.
+            parts += (sync + _ONE + _avro_long(len(source) + len(body)) + source, body)
+            sync = _SYNC
+        parts.append(sync)
         with self._lock:
-            self.client.raw_insert(f"{self.database}.{table}", names, insert_block=b"".join(parts), fmt="Avro")
+            if _embedded(self.client):
+                _insert_from_file(self.client, f"{self.database}.{table}", names, parts)
+            else:
+                self.client.raw_insert(f"{self.database}.{table}", names, insert_block=b"".join(parts), fmt="Avro")
 
     def _avro_header(self, table: str) -> tuple[bytes, list[str]]:
         cached = self._avro_headers.get(table)
@@ -468,10 +483,43 @@ def _avro_long(n: int) -> bytes:
     return bytes(out)
 
 
+def _embedded(client) -> bool:
+    """Is ``client`` a handle on the embedded engine (chdb)?"""
+    return getattr(client, "path", None) is not None and str(getattr(client, "uri", "")).startswith("chdb://")
+
+
+def _insert_from_file(client, table: str, names: list[str], parts: list) -> None:
+    """An Avro insert into the embedded engine, from ``parts`` written to a file with writev.
+
+    The engine reads inserts from a file in any case (clickhouse-connect writes ``raw_insert``'s block to
+    one): written there straight from the messages' buffers, the batch is never joined into one more copy
+    of itself first. 20k completions (108 MB): 72 ms to write this way against 140 ms joined and written,
+    the insert as a whole 15–20 % less (`tabloop bench history`: 1.13–1.17× the rows/s)."""
+    fd, path = tempfile.mkstemp(prefix="tabloop-history-", suffix=".avro")
+    try:
+        try:
+            for start in range(0, len(parts), _IOV_MAX):
+                chunk = parts[start:start + _IOV_MAX]
+                written = os.writev(fd, chunk)
+                if written < sum(map(len, chunk)):  # a short write (rare for a file): the rest one write at a time
+                    rest = memoryview(b"".join(chunk))[written:]
+                    while rest:
+                        rest = rest[os.write(fd, rest):]
+        finally:
+            os.close(fd)
+        columns = ", ".join(f"`{n}`" for n in names)
+        client.command(f"INSERT INTO {table} ({columns}) FROM INFILE {sql_literal(path)} FORMAT Avro")
+    finally:
+        os.unlink(path)
+
+
+_IOV_MAX = 1024  # buffers per writev (Linux's limit)
+
+
 def _reader_connect(client) -> Callable[[], Any]:
     """How to open another handle like ``client``: for chdb, another handle on the same engine."""
     path = getattr(client, "path", None)
-    if path is None or not str(getattr(client, "uri", "")).startswith("chdb://"):
+    if not _embedded(client):
         def refuse():
             raise HistoryError("read queries need their own connection: build the store with connect=…")
         return refuse
@@ -544,7 +592,7 @@ class HistorySink:
             settings, group_id, list(self.topics), client_id="tabloop-history",
             # Topics made after the sink started are seen within seconds, not librdkafka's 5 minutes.
             overrides={"group.instance.id": f"tabloop-history-{instance.hexdigest()[:16]}",
-                       "topic.metadata.refresh.interval.ms": 10_000})
+                       "topic.metadata.refresh.interval.ms": 10_000, **PREFETCH})
         # Messages are polled undecoded: those written with their table's current schema go to the engine
         # as Avro (HistoryStore.insert_avro); only the others (older versions, rejects) are decoded here.
         self.codec = self.consumer.codec
