@@ -35,6 +35,8 @@ def check_kafka(r):
 def check_history(r):
     assert r["events"] == 1000 and 0 < r["sink_rows"] < 1000 and r["sink_rows_per_s"] > 0 and r["sink_batches"] >= 2
     assert r["episodes"] == 1000 and r["acceptance_by_version_rows"] > 0 and r["acceptance_by_version_query_s"] > 0
+    # the timed batches' time split: polling and storing, both within it (the commits are the rest)
+    assert 0 < r["sink_polling_s"] and 0 < r["sink_storing_s"] and r["sink_polling_s"] + r["sink_storing_s"] <= r["sink_seconds"]
 
 
 def check_pipeline(r):

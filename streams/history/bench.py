@@ -69,6 +69,7 @@ def bench_history(settings: Settings, n: int = 60_000, episodes: int = 1_000_000
         while first == 0:  # the first batch waits for the consumer group to form: not the sink's speed
             first = sink.step(stop)
         stored, started = first, time.perf_counter()
+        polling_before, storing_before = sink.stats.polling_s, sink.stats.storing_s
         while stored < n:
             stored += sink.step(stop)
         elapsed = time.perf_counter() - started
@@ -77,8 +78,11 @@ def bench_history(settings: Settings, n: int = 60_000, episodes: int = 1_000_000
         assert sum(counts.values()) == n, counts
         timed = n - first
         result.update(sink_rows=timed, sink_seconds=round(elapsed, 3), sink_rows_per_s=round(timed / elapsed),
-                      sink_batches=sink.stats.batches)
-        print(f"  {timed} rows in {elapsed:.2f}s: {timed / elapsed:,.0f} rows/s", file=sys.stderr)
+                      sink_batches=sink.stats.batches,
+                      sink_polling_s=round(sink.stats.polling_s - polling_before, 3),
+                      sink_storing_s=round(sink.stats.storing_s - storing_before, 3))
+        print(f"  {timed} rows in {elapsed:.2f}s: {timed / elapsed:,.0f} rows/s (polling {result['sink_polling_s']}s, "
+              f"storing {result['sink_storing_s']}s)", file=sys.stderr)
 
         print(f"making {episodes:,} synthetic episodes in the engine …", file=sys.stderr)
         store.command("TRUNCATE TABLE bench.episodes")
