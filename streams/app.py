@@ -268,7 +268,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
     async def emit(episode: Event) -> None:
         """Publish an episode, or first have it scored when its project's spec weighs judge or tests."""
         spec = specs.for_project(episode.record["project_id"])
-        if scorers.weighs(spec):
+        if scorers.weighed(spec):  # else nothing to score: no copy of the record, no look at its prompt
             record = plain(episode.record)
             wanted = scorers.wanted(spec, record)
             if wanted:

@@ -128,22 +128,18 @@ class Scorers:
         return cls(judge, tests, settings.tests_timeout_s, settings.tests_memory_mb * 2**20,
                    settings.scoring_concurrency)
 
-    def weighs(self, spec: RewardSpec) -> bool:
-        """Whether ``spec`` weighs a component scored here (judge or tests): if not, no episode of it waits
-        for scoring, and ``wanted`` need not look at one."""
-        return (spec.weights.get("judge", 0) > 0 and self.judge is not None) or \
-            (spec.weights.get("tests", 0) > 0 and self.tests is not None)
+    def weighed(self, spec: RewardSpec) -> list[str]:
+        """The components scored here (judge, tests) that ``spec`` weighs and this worker can score; empty:
+        no episode of the spec waits for scoring, and ``wanted`` need not look at one."""
+        return [name for name, scorer in (("judge", self.judge), ("tests", self.tests))
+                if spec.weights.get(name, 0) > 0 and scorer is not None]
 
     def wanted(self, spec: RewardSpec, episode: dict) -> list[str]:
         """The extra components this episode should get under ``spec`` (empty: publish it as it is)."""
-        if not self.weighs(spec) or not episode["matched"] or episode_cursor(episode) is None:
+        weighed = self.weighed(spec)
+        if not weighed or not episode["matched"] or episode_cursor(episode) is None:
             return []
-        out = []
-        if spec.weights.get("judge", 0) > 0 and self.judge is not None:
-            out.append("judge")
-        if spec.weights.get("tests", 0) > 0 and self.tests is not None and self.tests.for_episode(episode):
-            out.append("tests")
-        return out
+        return [name for name in weighed if name != "tests" or self.tests.for_episode(episode)]
 
     async def score(self, spec: RewardSpec, episode: dict, wanted: list[str]) -> tuple[dict, dict]:
         """(components, errors) for the ``wanted`` components of one episode."""
