@@ -73,3 +73,23 @@ def test_a_bad_body_behind_a_good_header_is_rejected_alone_and_nothing_stored_tw
     assert store.count("rejects") == 1
     (error,) = store.query(f"SELECT error FROM {store.database}.rejects", read_only=False).rows[0]
     assert "Truncated" in error or "Corrupt" in error
+
+
+def test_insert_files_leave_nothing_behind_and_a_killed_sinks_files_go_when_a_store_opens(tmp_path):
+    """Into the embedded engine a batch goes through a file in its data directory: removed after each insert,
+    and one a sink killed mid-insert left (named by another process's id) is removed by the next store."""
+    import os
+    from pathlib import Path
+
+    from tests.history_fixture import shared_client
+
+    folder = Path(shared_client().path) / "tabloop-inserts"
+    folder.mkdir(exist_ok=True)
+    leftover, ours = folder / "4194305-killed.avro", folder / f"{os.getpid()}-in-flight.avro"
+    leftover.write_bytes(b"half an insert")
+    ours.write_bytes(b"an insert of this process")
+    store = new_store()
+    assert not leftover.exists() and ours.exists()  # another process's file is a leftover; ours may be in use
+    ours.unlink()
+    assert _sink(tmp_path, store).store_batch(_messages(4)) == {table: 4 for table in EVENT_FOR_TABLE}
+    assert list(folder.iterdir()) == []

@@ -40,6 +40,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from confluent_kafka import KafkaException
@@ -279,8 +280,6 @@ def open_client(url: str):
     import clickhouse_connect
 
     if url.startswith("chdb://"):
-        from pathlib import Path
-
         Path(url.removeprefix("chdb://")).mkdir(parents=True, exist_ok=True)
     try:
         return clickhouse_connect.get_client(dsn=url)
@@ -324,6 +323,8 @@ class HistoryStore:
         self.readers = ReaderPool(connect or _reader_connect(client), database, self.limits)
         self._columns = {table: [n for n, _ in event_columns(EVENT_TYPES[e])] for table, e in EVENT_FOR_TABLE.items()}
         self._avro_headers: dict[str, tuple[bytes, list[str]]] = {}
+        if _embedded(client):
+            _clear_insert_files_of_gone_processes(client)
 
     @classmethod
     def from_settings(cls, settings: Settings, client=None) -> "HistoryStore":
@@ -495,7 +496,7 @@ def _insert_from_file(client, table: str, names: list[str], parts: list) -> None
     one): written there straight from the messages' buffers, the batch is never joined into one more copy
     of itself first. 20k completions (108 MB): 72 ms to write this way against 140 ms joined and written,
     the insert as a whole 15–20 % less (`tabloop bench history`: 1.13–1.17× the rows/s)."""
-    fd, path = tempfile.mkstemp(prefix="tabloop-history-", suffix=".avro")
+    fd, path = tempfile.mkstemp(prefix=f"{os.getpid()}-", suffix=".avro", dir=_insert_files(client))
     try:
         with open(fd, "wb", buffering=0) as file:  # closed before the engine reads it
             _write_all(file.fileno(), parts)
@@ -503,6 +504,21 @@ def _insert_from_file(client, table: str, names: list[str], parts: list) -> None
         client.command(f"INSERT INTO {table} ({columns}) FROM INFILE {sql_literal(path)} FORMAT Avro")
     finally:
         os.unlink(path)
+
+
+def _insert_files(client) -> Path:
+    """The folder of the embedded engine's insert files, in its data directory."""
+    folder = Path(client.path) / "tabloop-inserts"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _clear_insert_files_of_gone_processes(client) -> None:
+    """Remove insert files a killed sink left behind. The embedded engine opens its directory in one process
+    at a time, so a file not named by this process's id is of one that is gone."""
+    for leftover in _insert_files(client).glob("*.avro"):
+        if not leftover.name.startswith(f"{os.getpid()}-"):
+            leftover.unlink(missing_ok=True)
 
 
 def _write_all(fd: int, parts: list) -> None:
