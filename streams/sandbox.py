@@ -275,10 +275,12 @@ def run_tests(program: str, *, tests: str | None = None, timeout_s: float = 10.0
                   max_processes=max_processes, max_output_bytes=max_output_bytes, must_reach_end=must_reach_end)
     if not plan.drop:
         return _execute(program, tests, plan, exe, None, None, **limits)
-    if uid is not None:
-        return _execute(program, tests, plan, exe, uid, uid if gid is None else gid, **limits)
-    with pooled_uid() as own:
-        return _execute(program, tests, plan, exe, own, own if gid is None else gid, **limits)
+    with contextlib.ExitStack() as held:
+        # The judge (with tests) gets a uid of its own too: neither side can signal or ptrace the other.
+        judge_uid = held.enter_context(pooled_uid()) if tests is not None else None
+        if uid is None:
+            uid = held.enter_context(pooled_uid())
+        return _execute(program, tests, plan, exe, uid, uid if gid is None else gid, judge_uid=judge_uid, **limits)
 
 
 def sandbox_mode() -> str:
@@ -622,7 +624,7 @@ def _minimal_env(workdir: str) -> dict[str, str]:
 
 def _execute(program: str, tests: str | None, plan: _Plan, python: str, uid: int | None, gid: int | None, *,
              timeout_s: float, memory_bytes: int, max_file_bytes: int, max_processes: int, max_output_bytes: int,
-             must_reach_end: bool, max_open_files: int = MAX_OPEN_FILES) -> SandboxResult:
+             must_reach_end: bool, max_open_files: int = MAX_OPEN_FILES, judge_uid: int | None = None) -> SandboxResult:
     """Run ``program`` then ``tests`` under ``plan`` (as ``uid``:``gid`` if it drops): write them to a
     fresh directory, start the bootstrap (and, with ``tests``, the judge that runs them), supervise."""
     trusted = tests is not None
@@ -631,7 +633,9 @@ def _execute(program: str, tests: str | None, plan: _Plan, python: str, uid: int
     control_r, control_w = os.pipe()
     if trusted:  # calls from the judge to the program, answers back, the judge's verdict to us
         (program_in, judge_out), (judge_in, program_out), (result_r, result_w) = os.pipe(), os.pipe(), os.pipe()
-        fds = [control_r, control_w, program_in, judge_out, judge_in, program_out, result_r, result_w]
+        judge_control_r, judge_control_w = os.pipe()  # the judge's bootstrap says there if it could not start it
+        fds = [control_r, control_w, program_in, judge_out, judge_in, program_out, result_r, result_w,
+               judge_control_r, judge_control_w]
     else:
         (program_in, nonce_w), (result_r, program_out) = os.pipe(), os.pipe()
         fds = [control_r, control_w, program_in, nonce_w, result_r, program_out]
@@ -684,20 +688,16 @@ def _execute(program: str, tests: str | None, plan: _Plan, python: str, uid: int
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     pass_fds=(control_w, program_in, program_out), start_new_session=True)
             if trusted:
-                judge_dir = os.path.join(workdir, "judge")  # not the program's: its workdir is a tmpfs of its own
-                os.mkdir(judge_dir, 0o700)
-                judge = subprocess.Popen(
-                    [python, "-I", "-B", "-c", _JUDGE, str(judge_out), str(judge_in), str(result_w),
-                     "1" if must_reach_end else "0", str(_MESSAGE_BYTES), str(max(2 * memory_bytes, 2**30)),
-                     str(cpu_s)],
-                    cwd=judge_dir, env=_minimal_env(judge_dir), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, pass_fds=(judge_out, judge_in, result_w), start_new_session=True)
+                judge = _start_judge(plan, python, workdir, config, judge_uid, judge_control_w,
+                                     (judge_out, judge_in, result_w), must_reach_end=must_reach_end,
+                                     memory_bytes=memory_bytes)
         except (OSError, subprocess.SubprocessError) as e:
             if "proc" in locals():
                 _kill_tree(proc)
             return SandboxResult(False, "error", None, 0.0, "", f"[sandbox] could not start: {e}",
                                  isolation, config["uid"], _missing(isolation), "trusted" if trusted else "nonce")
-        for fd in (control_w, program_in, program_out) + ((judge_out, judge_in, result_w) if trusted else ()):
+        for fd in (control_w, program_in, program_out) + (
+                (judge_out, judge_in, result_w, judge_control_w) if trusted else ()):
             os.close(fd)
             fds.remove(fd)
         if judge is not None:
@@ -707,17 +707,47 @@ def _execute(program: str, tests: str | None, plan: _Plan, python: str, uid: int
                 judge.stdin.close()
         return _supervise(proc, control_r, result_r, nonce, isolation, config["uid"], start=start,
                           timeout_s=timeout_s, max_output_bytes=max_output_bytes, must_reach_end=must_reach_end,
-                          judge=judge, cgroup=cgroup)
+                          judge=judge, judge_control_r=judge_control_r if trusted else None, cgroup=cgroup)
     finally:
         if judge is not None and judge.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(judge.pid, signal.SIGKILL)
-            judge.wait()
+            _kill_tree(judge)
         if cgroup is not None:
             cgroup.close()
         for fd in fds:
             os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start_judge(plan: _Plan, python: str, workdir: str, program_config: dict, judge_uid: int | None,
+                 control_w: int, pipes: tuple[int, int, int], *, must_reach_end: bool,
+                 memory_bytes: int) -> subprocess.Popen:
+    """Start the judge (``_JUDGE``) through the bootstrap, in a jail like the program's: the same namespaces
+    (no network), the run's cgroup (its memory is the run's), the limits, a uid of its own (as root) and a
+    scratch directory of its own. It runs trusted code, the tests, but reads what the program sends: it gets
+    no more than it needs. The tests reach it on stdin; ``pipes`` are its calls, the answers and the verdict."""
+    call_fd, reply_fd, verdict_fd = pipes
+    judge_dir = os.path.join(workdir, "judge")  # not the program's: its workdir is a tmpfs of its own
+    os.mkdir(judge_dir, 0o700)
+    hides: list[str] = []
+    keeps: list[str] = []
+    if plan.drop:
+        if "mnt" in plan.namespaces:
+            hides, keeps = _filesystem_layout(python, judge_dir, judge_uid, judge_uid)
+        else:
+            os.chown(judge_dir, judge_uid, judge_uid)
+    judge_config = {"call_fd": call_fd, "reply_fd": reply_fd, "verdict_fd": verdict_fd,
+                    "must_reach_end": must_reach_end, "limit": _MESSAGE_BYTES}
+    # The judge's address space: its own copy of what crosses (a message up to _MESSAGE_BYTES) and the
+    # tests' data; the run's cgroup counts it with the program's.
+    limits = dict(program_config["limits"], **{"as": max(2 * memory_bytes, 2**30)})
+    config = dict(program_config, argv=[python, "-I", "-B", "-c", _JUDGE, json.dumps(judge_config)],
+                  workdir=judge_dir, files=[], uid=judge_uid if plan.drop else None,
+                  gid=judge_uid if plan.drop else None, hides=hides, keeps=keeps, limits=limits,
+                  control_fd=control_w, program_fds=list(pipes))
+    bootstrap = [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), json.dumps(config)]
+    return subprocess.Popen(bootstrap, cwd=judge_dir, env=_minimal_env(judge_dir), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(control_w,) + pipes,
+                            start_new_session=True)
 
 
 def _missing(isolation: tuple[str, ...]) -> tuple[str, ...]:
@@ -726,15 +756,18 @@ def _missing(isolation: tuple[str, ...]) -> tuple[str, ...]:
 
 def _supervise(proc: subprocess.Popen, control_r: int, result_r: int, nonce: bytes, isolation: tuple[str, ...],
                uid: int | None, *, start: float, timeout_s: float, max_output_bytes: int, must_reach_end: bool,
-               judge: subprocess.Popen | None = None, cgroup: RunCgroup | None = None) -> SandboxResult:
+               judge: subprocess.Popen | None = None, judge_control_r: int | None = None,
+               cgroup: RunCgroup | None = None) -> SandboxResult:
     """Collect the output until the program ends (with a judge: until the judge has its verdict) or the time
     is up, then leave nothing running."""
     out, err = _CappedBuffer(max_output_bytes), _CappedBuffer(max_output_bytes)
     control, verdict = _CappedBuffer(4096), _CappedBuffer(4096)
     judge_out, judge_err = _CappedBuffer(max_output_bytes), _CappedBuffer(max_output_bytes)
     sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, control_r: control}
+    judge_control = _CappedBuffer(4096)
     if judge is not None:
-        sinks.update({judge.stdout.fileno(): judge_out, judge.stderr.fileno(): judge_err, result_r: verdict})
+        sinks.update({judge.stdout.fileno(): judge_out, judge.stderr.fileno(): judge_err, result_r: verdict,
+                      judge_control_r: judge_control})
     deadline = start + timeout_s
     timed_out = False
     ended_first = False  # the program ended before the judge's verdict
@@ -762,9 +795,10 @@ def _supervise(proc: subprocess.Popen, control_r: int, result_r: int, nonce: byt
                 _pump(sel, sinks, grace - time.monotonic())
         _kill_tree(proc)
         if judge is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(judge.pid, signal.SIGKILL)
-            judge.wait()
+            if not timed_out:  # the verdict is out: its bootstrap reaps the judge and exits with its status
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    judge.wait(timeout=_KILL_WAIT_S)
+            _kill_tree(judge)
         else:
             sinks[result_r] = verdict
             sel.register(result_r, selectors.EVENT_READ)
@@ -776,6 +810,7 @@ def _supervise(proc: subprocess.Popen, control_r: int, result_r: int, nonce: byt
 
     lines = control.text().splitlines()
     failure = next((line[5:] for line in lines if line.startswith("fail ")), None)
+    judge_failure = next((line[5:] for line in judge_control.text().splitlines() if line.startswith("fail ")), None)
     status = next((int(line[5:]) for line in lines if line.startswith("exit ") and line[5:].isdigit()), None)
     exit_code = os.waitstatus_to_exitcode(status) if status is not None else proc.returncode
     oom = cgroup.oom_kills() if cgroup is not None else 0
@@ -783,6 +818,9 @@ def _supervise(proc: subprocess.Popen, control_r: int, result_r: int, nonce: byt
     if failure is not None or (status is None and not timed_out and judge is None):
         outcome, exit_code = "error", None
         notes.append(f"[sandbox] could not run the program: {failure or f'bootstrap exited {proc.returncode}'}")
+    elif judge_failure is not None:
+        outcome = "error"
+        notes.append(f"[sandbox] could not run the tests' judge: {judge_failure}")
     elif timed_out:
         outcome = "timeout"
         notes.append(f"[sandbox] killed after {timeout_s:g}s")
@@ -1131,13 +1169,17 @@ _tabloop_sandbox_server()
 """
 
 # The tests' side: trusted, outside every namespace of the program, reached only by the pipe. The tests
-# run here; what the program defined is here as plain data (a copy) or as a handle whose calls go to the
-# program and whose answers come back as plain data, made here by a decoder that builds built-in types
-# only. So every comparison the tests make runs code of ours over values of ours: the program can give
-# wrong answers, but not a pass. The verdict goes to the scorer on a pipe the program never had.
+# run here with the judge's own builtins, in a __main__ of their own; of what the program defined, they see
+# only the names their code spells (never a builtin's, never a dunder), as plain data (a copy) or as a handle
+# whose calls go to the program with copies of their arguments and whose answers come back as plain data,
+# made here by a decoder that builds built-in types only. A module crosses as its name at most, and the judge
+# imports only a standard module the tests themselves use by that name. So every comparison the tests make
+# runs code of ours over values of ours: the program can give wrong answers, but not a pass. The verdict goes
+# to the scorer on a pipe the program never had. The judge runs in a jail like the program's (the bootstrap,
+# with a uid of its own and the run's cgroup): it needs no more.
 _JUDGE = _WIRE + r"""
 
-import builtins, importlib, sys, traceback
+import builtins, dis, importlib, keyword, sys, traceback, types
 
 
 class _ProgramGone(BaseException):
@@ -1145,11 +1187,50 @@ class _ProgramGone(BaseException):
     pass
 
 
-def _main():
-    call_fd, reply_fd, verdict_fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    must_reach_end, limit = sys.argv[4] == "1", int(sys.argv[5])
+# What the program may raise into the tests, as the judge's own exception: an ordinary Exception of the
+# builtins, but not one that steers the tests' control flow (a StopIteration ends a map() or zip() early).
+_NOT_RAISED_AS_ITSELF = (StopIteration, StopAsyncIteration)
+
+
+def _names_the_tests_use(code):
+    # (every name the tests' code holds, the names it uses as a module: loaded as a global and then an
+    # attribute read of it, e.g. `math.isclose`). Of the program's names, only the first set are given.
+    names, module_like, todo = set(), set(), [code]
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names)
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        previous = None
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None:
+                module_like.add(previous)
+            previous = ins.argval if ins.opname in ("LOAD_NAME", "LOAD_GLOBAL") else None
+    return names, module_like
+
+
+def _unittest_main(ran):
+    # unittest.main() as the tests call it, without its sys.exit and its reading of the judge's argv: the
+    # verdict is the tests' result, raised as a failure when one failed.
+    import unittest
+
+    def main(*args, **kwargs):
+        kwargs.setdefault("argv", ["tests.py"])
+        kwargs["exit"] = False
+        program = unittest.TestProgram(*args, **kwargs)
+        result = program.result
+        ran.append(result)
+        if not result.wasSuccessful():
+            raise AssertionError(f"unittest: {len(result.failures)} failed and {len(result.errors)} errors "
+                                 f"of {result.testsRun} tests")
+        return program
+    return main
+
+
+def _main(cfg):
+    call_fd, reply_fd, limit = cfg["call_fd"], cfg["reply_fd"], cfg["limit"]
     broken = []
     tests = compile(sys.stdin.read(), "tests.py", "exec", dont_inherit=True)
+    used, module_like = _names_the_tests_use(tests)
 
     def dec(v, depth=0):
         if depth > 100:
@@ -1201,7 +1282,8 @@ def _main():
             return {"h": object.__getattribute__(x, "_h")}
         raise TypeError(f"the tests can't send a {t.__name__} to the program: plain data only")
 
-    def ask(request, args=()):
+    def ask(request):
+        # The program's answer as (value, its copies of the arguments as it left them).
         if broken:
             raise _ProgramGone(broken[0])
         try:
@@ -1212,21 +1294,14 @@ def _main():
             if "raised" in reply:
                 name, message = (str(p) for p in reply["raised"][:2])
                 kind = getattr(builtins, name, None)
-                if not (isinstance(kind, type) and issubclass(kind, Exception)):
+                if (not (isinstance(kind, type) and issubclass(kind, Exception))
+                        or issubclass(kind, _NOT_RAISED_AS_ITSELF)):
                     kind = RuntimeError
-                    message = f"{name}: {message}"
+                    message = f"the program raised {name}: {message}"
                 raised = kind(message)
             else:
-                value = dec(reply["value"])
                 after = reply.get("after") or []
-                for sent, came in zip(args, after):  # what the call did to a list, dict or set it was given
-                    came = dec(came)
-                    if type(sent) is list and type(came) is list:
-                        sent[:] = came
-                    elif type(sent) in (dict, set) and type(came) is type(sent):
-                        sent.clear()
-                        sent.update(came)
-                return value
+                return dec(reply["value"]), tuple(dec(a) for a in after) if type(after) is list else ()
         except (OSError, EOFError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
             broken.append(f"the program stopped answering the tests: {type(e).__name__}: {e}")
             raise _ProgramGone(broken[0]) from None
@@ -1235,6 +1310,7 @@ def _main():
     class Remote:
         # Something the program has: attribute reads, calls, items, length and iteration are asked of the
         # program; == and hash stay Python's identity, so nothing the program defines decides a comparison.
+        # A call sends copies: nothing the program does to its arguments comes back into the tests' objects.
         __slots__ = ("_h", "_r")
 
         def __init__(self, h, r):
@@ -1242,27 +1318,42 @@ def _main():
             object.__setattr__(self, "_r", r)
 
         def __getattr__(self, name):
-            return ask({"op": "getattr", "h": object.__getattribute__(self, "_h"), "name": name})
+            return ask({"op": "getattr", "h": object.__getattribute__(self, "_h"), "name": name})[0]
 
         def __call__(self, *args, **kwargs):
-            return ask({"op": "call", "h": object.__getattribute__(self, "_h"), "args": [enc(a) for a in args],
-                        "kwargs": {str(k): enc(v) for k, v in kwargs.items()}}, args)
+            return call(self, args, kwargs)[0]
 
         def __getitem__(self, key):
-            return ask({"op": "getitem", "h": object.__getattribute__(self, "_h"), "args": [enc(key)]})
+            return ask({"op": "getitem", "h": object.__getattribute__(self, "_h"), "args": [enc(key)]})[0]
 
         def __len__(self):
-            n = ask({"op": "len", "h": object.__getattribute__(self, "_h")})
+            n = ask({"op": "len", "h": object.__getattribute__(self, "_h")})[0]
             if type(n) is not int:
                 raise TypeError("len() of the program's object is not an int")
             return n
 
         def __iter__(self):
-            items = ask({"op": "list", "h": object.__getattribute__(self, "_h")})
+            items = ask({"op": "list", "h": object.__getattribute__(self, "_h")})[0]
             return iter(items if type(items) is list else [])
 
         def __repr__(self):
             return f"<the program's {object.__getattribute__(self, '_r')}>"
+
+    def call(function, args, kwargs):
+        if type(function) is not Remote:
+            raise TypeError(f"not something the program defined: {function!r}")
+        return ask({"op": "call", "h": object.__getattribute__(function, "_h"), "args": [enc(a) for a in args],
+                    "kwargs": {str(k): enc(v) for k, v in kwargs.items()}})
+
+    def call_with_copies(function, *args, **kwargs):
+        # For tests of a function that changes its arguments: (what it returned, the copies of the positional
+        # arguments it was given, as it left them). The tests' own objects stay as they were.
+        return call(function, args, kwargs)
+
+    # What a task's tests may import beyond the standard library: `from tabloop_judge import call_with_copies`.
+    helpers = types.ModuleType("tabloop_judge", "What the judge offers a task's tests.")
+    helpers.call_with_copies = call_with_copies
+    sys.modules["tabloop_judge"] = helpers
 
     try:
         first = _recv(reply_fd, limit)
@@ -1270,25 +1361,35 @@ def _main():
             print("[sandbox] the program failed before the tests ran:", str(first.get("failed") if type(first) is dict
                   else first)[:2000], file=sys.stderr)
             return False
-        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        given = {}
         for name, value in first["names"].items():
-            if type(value) is dict and set(value) == {"m"}:  # a module: ours, for a standard one; else none
-                module = str(value["m"])
-                if module.partition(".")[0] in sys.stdlib_module_names:
-                    try:
-                        namespace[name] = importlib.import_module(module)
-                    except ImportError:
-                        pass
-            else:
-                namespace[str(name)] = dec(value)
-    except (OSError, EOFError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
+            # Only names the tests spell, and none of the judge's own: a builtin, a dunder, a keyword.
+            if (name not in used or not name.isidentifier() or keyword.iskeyword(name) or name.startswith("__")
+                    or name in builtins.__dict__):
+                continue
+            if name in module_like and name in sys.stdlib_module_names:
+                given[name] = importlib.import_module(name)  # the module the tests use by that name, ours
+            elif not (type(value) is dict and "m" in value):  # any other module stays the program's
+                given[name] = dec(value)
+    except (OSError, EOFError, ValueError, TypeError, KeyError, RecursionError, MemoryError, ImportError) as e:
         print(f"[sandbox] the program did not say what it defined: {type(e).__name__}: {e}", file=sys.stderr)
         return False
+    # The tests' __main__, as on a developer's machine: `from __main__ import solve` and unittest.main() find
+    # it, __name__ is "__main__", and sys.argv holds no argument for unittest to read as a test's name.
+    main = types.ModuleType("__main__")
+    main.__dict__.update(given)
+    main.__dict__.update(__name__="__main__", __file__="tests.py", __builtins__=builtins)
+    sys.modules["__main__"] = main
+    sys.argv = ["tests.py"]
+    ran_unittest = []
+    import unittest
+    unittest.main = _unittest_main(ran_unittest)
     try:
-        exec(tests, namespace)
+        exec(tests, main.__dict__)
+        _run_uncalled_tests(tests, main.__dict__, ran_unittest)
         passed = True
     except SystemExit as e:
-        passed = not must_reach_end and e.code in (0, None, False)
+        passed = not cfg["must_reach_end"] and e.code in (0, None, False)
         if not passed:
             print(f"[sandbox] the tests exited ({e.code!r}) before their end", file=sys.stderr)
     except BaseException:
@@ -1300,16 +1401,38 @@ def _main():
     return passed
 
 
+def _run_uncalled_tests(tests, namespace, ran_unittest):
+    # pytest's way, for tests written in it: each test_* function the tests define and never name themselves
+    # is called, and, unless unittest.main() ran, each TestCase class they define is run.
+    import unittest
+
+    named = set()
+    todo = [tests]
+    while todo:
+        c = todo.pop()
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        named.update(ins.argval for ins in dis.get_instructions(c) if ins.opname in ("LOAD_NAME", "LOAD_GLOBAL"))
+    for name, value in list(namespace.items()):
+        if (name.startswith("test") and name not in named and isinstance(value, types.FunctionType)
+                and value.__code__.co_filename == "tests.py" and value.__code__.co_argcount == 0):
+            value()
+    if not ran_unittest:
+        cases = [v for v in namespace.values() if isinstance(v, type) and issubclass(v, unittest.TestCase)
+                 and v.__module__ == "__main__"]
+        if cases:
+            suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(c) for c in cases)
+            result = unittest.TextTestRunner(stream=sys.stderr).run(suite)
+            if not result.wasSuccessful():
+                raise AssertionError(f"unittest: {len(result.failures)} failed and {len(result.errors)} errors "
+                                     f"of {result.testsRun} tests")
+
+
 def _tabloop_sandbox_judge():
-    import resource
-    memory, cpu = int(sys.argv[6]), int(sys.argv[7])
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    verdict_fd = int(sys.argv[3])
-    passed = _main()
+    cfg = _json.loads(sys.argv[1])
+    passed = _main(cfg)
     sys.stdout.flush()
     sys.stderr.flush()
-    _os.write(verdict_fd, b"passed\n" if passed else b"failed\n")
+    _os.write(cfg["verdict_fd"], b"passed\n" if passed else b"failed\n")
 
 
 _tabloop_sandbox_judge()
