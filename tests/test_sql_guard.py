@@ -16,7 +16,7 @@ import pytest
 
 from infra.local import wait_ready
 from streams.history.sink import HistoryStore
-from streams.history.guard import HistoryBusy, NotReadOnly, QueryLimits, Reader, ReaderPool
+from streams.history.guard import SERVER_FUNCTIONS, HistoryBusy, NotReadOnly, QueryLimits, Reader, ReaderPool
 from streams.history.sql import HistoryServer
 from tests.history_fixture import analytics_fixture, insert_events, new_store, row
 
@@ -211,6 +211,83 @@ def test_only_reading_the_history_is_allowed(server, query, why):
     assert r.status_code in (400, 403) and why in r.json()["error"]["message"], r.text
     if why:
         assert r.status_code == 403
+
+
+# -- functions that reveal the server: its settings, paths, disks and machine ------------------------------
+
+
+# Each function SERVER_FUNCTIONS refuses, called as a query would call it.
+SERVER_CALLS = {
+    "getServerSetting": "getServerSetting('path')",
+    "getSetting": "getSetting('max_memory_usage')",
+    "getSettingOrDefault": "getSettingOrDefault('max_memory_usage', 0)",
+    "getMergeTreeSetting": "getMergeTreeSetting('storage_policy')",
+    "getMacro": "getMacro('replica')",
+    "getServerPort": "getServerPort('tcp_port')",
+    "tcpPort": "tcpPort()",
+    "displayName": "displayName()",
+    "filesystemAvailable": "filesystemAvailable()",
+    "filesystemCapacity": "filesystemCapacity('default')",
+    "filesystemUnreserved": "filesystemUnreserved()",
+    "hostName": "hostName()",
+    "FQDN": "FQDN()",
+    "getOSKernelVersion": "getOSKernelVersion()",
+}
+
+
+def test_every_refused_server_function_has_its_test():
+    assert set(SERVER_CALLS) == set(SERVER_FUNCTIONS)
+
+
+def test_the_canary_sees_the_state_directory_through_get_server_setting(store):
+    """What the issue found: on a handle with none of the guard's walk (a reader's session is readonly and
+    still answers), getServerSetting('path') is the engine's data directory: the state directory."""
+    [[path]] = store.readers.run(lambda reader: reader.client.query("SELECT getServerSetting('path')").result_rows)
+    assert path.startswith("/") and "tabloop-chdb-" in path
+
+
+@pytest.mark.parametrize("function", SERVER_CALLS)
+def test_functions_that_reveal_the_server_are_refused(server, store, function):
+    [[path]] = store.query("SELECT getServerSetting('path')", read_only=False).rows
+    r = post(server, f"SELECT {SERVER_CALLS[function]} AS v")
+    assert r.status_code == 403, r.text
+    message = r.json()["error"]["message"]
+    assert f"function {function}()" in message and "not the history" in message, message
+    assert path not in r.text
+
+
+@pytest.mark.parametrize("query,named", [
+    ("SELECT count() FROM feedback WHERE user_id = getServerSetting('path')", "getServerSetting"),
+    ("SELECT (SELECT getServerSetting('path'))", "getServerSetting"),
+    ("WITH p AS (SELECT getServerSetting('path') AS s) SELECT s FROM p", "getServerSetting"),
+    ("SELECT arrayMap(name -> getServerSetting(name), ['path', 'tmp_path'])", "getServerSetting"),
+    ("SELECT * FROM (SELECT `getServerSetting`('path'))", "getServerSetting"),
+    ("EXPLAIN SELECT getServerSetting('path')", "getServerSetting"),
+    ("EXPLAIN SYNTAX SELECT getSetting('max_memory_usage')", "getSetting"),
+    ("DESCRIBE (SELECT filesystemCapacity())", "filesystemCapacity"),
+    ("SELECT GETSERVERSETTING('path')", "GETSERVERSETTING"),
+    # aliases the engine lists (system.functions' alias_to) and a name it takes in any case
+    ("SELECT fullHostName()", "fullHostName() (an alias of FQDN())"), ("SELECT hostname()", "hostname()"),
+    ("SELECT fqdn()", "fqdn()"),
+])
+def test_server_functions_are_refused_wherever_they_stand_and_however_spelled(server, query, named):
+    r = post(server, query)
+    assert r.status_code == 403 and f"function {named}" in r.json()["error"]["message"], r.text
+
+
+def test_has_column_in_table_is_refused_it_names_other_databases_by_string(server):
+    r = post(server, "SELECT hasColumnInTable('system', 'one', 'dummy')")
+    assert r.status_code == 403 and "hasColumnInTable() reaches outside" in r.json()["error"]["message"], r.text
+
+
+def test_ordinary_functions_still_work_names_like_the_refused_ones_included(server, store):
+    r = post(server, "SELECT version() != '' AS v, serverTimezone() != '' AS tz, currentDatabase() AS db, "
+                     "uptime() >= 0 AS up, path('http://h/a/b?q=1') AS url_path, lower('HOST') AS l, "
+                     "toString(toIPv4('1.2.3.4')) AS ip, formatReadableSize(1024) AS size, "
+                     "JSONAllPaths('{\"a\": {\"b\": 1}}'::JSON) AS json_paths, 1 AS hostName, "
+                     "(SELECT count() FROM feedback) > 0 AS history")
+    assert r.status_code == 200, r.text
+    assert r.json()["rows"] == [[1, 1, store.database, 1, "/a/b", "host", "1.2.3.4", "1.00 KiB", ["a.b"], 1, 1]]
 
 
 def test_the_history_reads_as_before_unqualified_names_included(server, store, fx):

@@ -11,7 +11,8 @@ text is fooled by quoting (`` `file`('/etc/passwd') ``), heredocs and comments, 
    node: the statement must be SELECT/WITH, SHOW TABLES, SHOW CREATE, DESCRIBE, EXISTS or EXPLAIN of a
    SELECT; every table source must be a table or view of the history database or a subquery (no table
    function at all); no ``INTO OUTFILE``, no ``SETTINGS``, no function that reads files or names
-   dictionaries or Join tables by string.
+   dictionaries, Join tables or other tables by string, and none that tells of the server instead of the
+   history (its settings and paths, its disks, the machine: ``SERVER_FUNCTIONS``).
 3. **Least privilege underneath.** Queries run on reader handles of their own (chdb allows many handles on
    its one engine, each with its own session), set once to the caps below and then to ``readonly = 1``:
    after that nothing in the session can change a setting, the engine refuses every write and every table
@@ -48,6 +49,10 @@ class ResultTooBig(RuntimeError):
 
 class HistoryBusy(RuntimeError):
     """Every reader is running a query; try again shortly."""
+
+
+class UnreadableResult(RuntimeError):
+    """A result column of a type the driver can't read (AggregateFunction); the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,28 @@ _EXPLAIN_KINDS = {"EXPLAIN", "EXPLAIN AST", "EXPLAIN SYNTAX", "EXPLAIN PLAN", "E
                   "EXPLAIN ESTIMATE", "EXPLAIN QUERY TREE"}
 _TABLE_NAME = re.compile(r"(?:(\w+)\.)?(\w+)(?: \(alias .*\))?")
 # Scalar functions that reach past the history: file() reads any path the process can; the dictionary and
-# Join-table getters name their source in a string, out of the walk's sight.
+# Join-table getters name their source in a string, out of the walk's sight, and so does hasColumnInTable()
+# ('system', 'one', 'dummy': the columns of any database's tables).
 _OUTSIDE_PREFIXES = ("dictget", "dicthas", "dictisin", "joinget")
-_OUTSIDE_FUNCTIONS = {"file"}
+_OUTSIDE_FUNCTIONS = {"file", "hascolumnintable"}
 # Table functions that are also harmless scalar functions of the same name (format('{}-{}', a, b)).
 _SCALAR_TOO = {"format"}
+# Scalar functions that tell of the server rather than of the history: its settings and configuration
+# (getServerSetting('path') gave every token holder the state directory), its disks, and the machine it runs
+# on. The readers' own caps are settings too: what they are is in docs/security.md, not for a query to probe.
+# Each reader adds every alias the engine lists for them (fullHostName for FQDN), so no spelling gets past.
+# Left allowed on purpose: version(), serverTimezone() (what a query needs to read the history's times
+# right) and currentDatabase(), currentUser(), uptime(), which tell nothing of the host.
+SERVER_FUNCTIONS = {
+    "getServerSetting": "a server setting", "getSetting": "a setting", "getSettingOrDefault": "a setting",
+    "getMergeTreeSetting": "a MergeTree setting", "getMacro": "a macro of the server's configuration",
+    "getServerPort": "a port the server is configured with", "tcpPort": "the port the server is configured with",
+    "displayName": "the display name of the server's configuration",
+    "filesystemAvailable": "the free space of the server's disks",
+    "filesystemCapacity": "the size of the server's disks",
+    "filesystemUnreserved": "the free space of the server's disks",
+    "hostName": "the machine's name", "FQDN": "the machine's name", "getOSKernelVersion": "the machine's kernel",
+}
 
 
 class Reader:
@@ -113,6 +135,12 @@ class Reader:
         self.max_result_bytes = limits.max_result_bytes
         self.table_functions = {r[0].lower() for r in client.query(
             "SELECT name FROM system.table_functions").result_rows} - _SCALAR_TOO
+        # Each lower-case name (aliases too) of a function SERVER_FUNCTIONS refuses → that function's own name;
+        # filtered by the engine, as the list of all functions is over a small max_result_rows.
+        canonical = {name.lower(): name for name in SERVER_FUNCTIONS}
+        self.server_functions = {name.lower(): canonical[real] for name, real in client.query(
+            "SELECT name, lower(if(alias_to = '', name, alias_to)) AS real FROM system.functions "
+            "WHERE has({refused:Array(String)}, real)", parameters={"refused": list(canonical)}).result_rows}
 
     def canonical(self, sql: str) -> tuple[str, str]:
         """The one statement in ``sql`` as the engine formats it and its kind (the root node of its AST),
@@ -136,12 +164,24 @@ class Reader:
             raise
         # Asked each time: a database made after this reader must count as outside too.
         others = {r[0] for r in self.client.query("SELECT name FROM system.databases").result_rows} - {self.database}
-        return text, check_tree(tree, text, self.database, self.table_functions, others)
+        return text, check_tree(tree, text, self.database, self.table_functions, others, self.server_functions)
 
     def query(self, sql: str) -> tuple[list[str], list[str], list[list[Any]]]:
         """Columns, their types and the rows of the checked query, capped in bytes as the blocks arrive:
         the engine's max_result_bytes is weighed only between blocks, so one wide block passes it."""
+        from clickhouse_connect.driver.exceptions import NotSupportedError
+
         text, root = self.canonical(sql)
+        try:
+            return self._run(text, root)
+        except NotSupportedError as exc:
+            # The driver reads every type but AggregateFunction: a partial aggregation state, bytes laid out
+            # as each function likes, that only the engine can finish.
+            raise UnreadableResult(f"{exc}: the result holds aggregation states (an AggregateFunction column, "
+                                   "from a …State() function), which have no value to show; "
+                                   "finalizeAggregation(x) or the function's …Merge() gives their value") from None
+
+    def _run(self, text: str, root: str) -> tuple[list[str], list[str], list[list[Any]]]:
         rows: list[list[Any]] = []
         size, cap = 0, self.max_result_bytes
 
@@ -177,9 +217,10 @@ def _size(value: Any) -> int:
 
 
 def check_tree(rows: list[str], text: str, database: str, table_functions: set[str],
-               other_databases: set[str]) -> str:
+               other_databases: set[str], server_functions: dict[str, str]) -> str:
     """The statement's kind (its root node), or NotReadOnly when its ``EXPLAIN AST`` rows (``rows``) show
-    something not allowed; see the module doc."""
+    something not allowed; see the module doc. ``server_functions``: each lower-case name (aliases too) of
+    a function SERVER_FUNCTIONS refuses → that function's own name."""
     if rows and rows[-1] == " Identifier Native":
         rows = rows[:-1]  # the FORMAT Native the driver appends to every query, ours
     if not rows:
@@ -225,6 +266,11 @@ def check_tree(rows: list[str], text: str, database: str, table_functions: set[s
             lower = name.lower()
             if lower in table_functions or lower in _OUTSIDE_FUNCTIONS or lower.startswith(_OUTSIDE_PREFIXES):
                 raise NotReadOnly(f"function {name}() reaches outside the history database")
+            if lower in server_functions:
+                real = server_functions[lower]
+                alias = "" if real.lower() == lower else f" (an alias of {real}())"
+                raise NotReadOnly(f"function {name}(){alias} reveals {SERVER_FUNCTIONS[real]}, not the history: "
+                                  "queries here read the history database only")
         elif kind == "TableIdentifier":
             table = _TABLE_NAME.fullmatch(row.lstrip(" ").split(" ", 1)[1] if " " in row.lstrip(" ") else "")
             if not table:

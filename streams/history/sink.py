@@ -30,7 +30,6 @@ Exactly once, without transactions across Kafka and ClickHouse:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -774,35 +773,3 @@ class HistorySink:
 
     def close(self) -> None:
         self.consumer.close()
-
-
-def json_value(value: Any) -> Any:
-    """A query result value as JSON: datetimes ISO-8601 (UTC), bytes hex, NaN/inf null."""
-    import math
-    from datetime import date
-    from decimal import Decimal
-    from uuid import UUID
-
-    if isinstance(value, datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=timezone.utc)
-        return value.isoformat()
-    if isinstance(value, date):
-        return value.isoformat()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Decimal):
-        return float(value)
-    if isinstance(value, (bytes, bytearray)):
-        return value.hex()
-    if isinstance(value, UUID):
-        return str(value)
-    if isinstance(value, (list, tuple)):
-        return [json_value(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): json_value(v) for k, v in value.items()}
-    return value
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(json_value(obj))

@@ -18,12 +18,18 @@ server; against an ``http://`` ClickHouse server it queries the server directly.
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import json
 import logging
+import math
 import os
 import secrets
 import threading
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable
+from uuid import UUID
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -32,7 +38,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from infra.settings import Settings
-from streams.history.sink import HistoryStore, QueryResult, json_value
+from streams.history.sink import HistoryStore, QueryResult
 from streams.history.guard import HistoryBusy, NotReadOnly, QueryLimits, ReaderPool
 
 log = logging.getLogger("tabloop.history")
@@ -41,6 +47,68 @@ MAX_QUERY_BYTES = 256 * 1024
 QUERY_TIMEOUT_S = QueryLimits().timeout_s
 MAX_JSON_DEPTH = 32  # a {"query": …} body is 1 deep; Python's parser recurses per level
 BODY_TIMEOUT_S = 30.0  # the whole body, once the headers are in (the front door's default)
+RETRY_AFTER_S = 5  # every reader busy: when to ask again
+
+
+def json_safe(value: Any) -> Any:
+    """``value``, as the driver gives a value of any ClickHouse type, as data that ``json.dumps`` writes and
+    JSON keeps exactly. Pure; the one place the history port (``/sql``, ``/api/dashboard``, ``tabloop sql``)
+    decides what a value looks like in JSON:
+
+    - None, bool, str and int as they are: Int128/UInt256 too (JSON numbers have no size limit, Python
+      reads them back exactly; JavaScript's numbers lose digits past 2^53, so read such columns there with
+      ``toString()`` in the query).
+    - float as it is; NaN and ±inf as null (JSON has no such numbers; ClickHouse's JSON formats do the same).
+    - Decimal as its exact text, never exponent notation (``"3.14"``, ``"0.0000001"``): a float would round it.
+    - datetime (DateTime, DateTime64) and date (Date, Date32) as ISO 8601; a datetime without a zone is UTC,
+      the zone the driver gives them in. Time and Time64 (a timedelta) as ClickHouse writes them,
+      ``[-]HH:MM:SS[.ffffff]`` (hours go past 24, up to 999).
+    - IPv4, IPv6 and UUID as their usual text (``"1.2.3.4"``, ``"2001:db8::1"``).
+    - bytes (FixedString) as text when they are UTF-8 (NUL padding kept), else as hex: the driver already
+      gives a String that is not UTF-8 as hex, so both read alike. ``hex(x)`` in the query gives hex always.
+    - list and tuple (Array, unnamed Tuple, the geo types, QBit) as lists; dict (Map, named Tuple, JSON,
+      a row of Nested) as objects, their keys text: a key whose JSON form is not a string is that JSON
+      written out (``1`` → ``"1"``, ``(1, 2)`` → ``"[1,2]"``), so IPv4 or Date keys read as they do as values.
+
+    Enum (its name), LowCardinality, Nullable, Variant, Dynamic, SimpleAggregateFunction and Interval (a
+    number of the unit its type names) come from the driver as one of the above. Anything else is a
+    TypeError naming its type: a value is never guessed at with ``str()``.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Decimal):
+        return format(value, "f")
+    if isinstance(value, datetime):  # before date: a datetime is a date too
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value.isoformat()
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        micros = value // timedelta(microseconds=1)
+        seconds, fraction = divmod(abs(micros), 1_000_000)
+        text = f"{'-' if micros < 0 else ''}{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        return f"{text}.{fraction:06d}" if fraction else text
+    if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address, UUID)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return value.hex()
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {_json_key(k): json_safe(v) for k, v in value.items()}
+    raise TypeError(f"no JSON form for a value of Python type {type(value).__module__}.{type(value).__qualname__} "
+                    f"({value!r:.80}): add one to streams.history.sql.json_safe")
+
+
+def _json_key(key: Any) -> str:
+    safe = json_safe(key)
+    return safe if isinstance(safe, str) else json.dumps(safe, separators=(",", ":"))
 
 
 def history_token(settings: Settings, create: bool = False) -> str | None:
@@ -60,8 +128,13 @@ def history_token(settings: Settings, create: bool = False) -> str | None:
     return token
 
 
-def _problem(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+def _problem(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
+
+
+def _busy(exc: HistoryBusy) -> JSONResponse:
+    """Every reader busy, for every route that reads the history: 503 and when to ask again, never a 500."""
+    return _problem(503, str(exc), {"Retry-After": str(RETRY_AFTER_S)})
 
 
 def dashboard_data(store: HistoryStore, days: int = 30, project: str | None = None) -> dict[str, Any]:
@@ -75,7 +148,7 @@ def dashboard_data(store: HistoryStore, days: int = 30, project: str | None = No
     where_project = f" AND project_id = {_literal(project)}" if project else ""
 
     def rows(sql: str) -> list[dict]:
-        return [{k: json_value(v) for k, v in r.items()} for r in store.query(sql).records()]
+        return [{k: json_safe(v) for k, v in r.items()} for r in store.query(sql).records()]
 
     if project:
         acceptance = rows(f"""SELECT policy_version, day, n AS episodes, a AS accepted, r AS rejected,
@@ -147,8 +220,6 @@ def build_app(store: HistoryStore, token: str, status: Callable[[], dict] | None
             return body
         query = body.decode(errors="replace")
         if "json" in request.headers.get("content-type", ""):
-            import json
-
             try:
                 parsed = json.loads(body)
             except RecursionError:
@@ -163,12 +234,15 @@ def build_app(store: HistoryStore, token: str, status: Callable[[], dict] | None
         except NotReadOnly as exc:
             return _problem(403, f"refused: {exc}")
         except HistoryBusy as exc:
-            return JSONResponse({"error": {"message": str(exc), "code": 503}}, status_code=503,
-                                headers={"Retry-After": "5"})
+            return _busy(exc)
         except Exception as exc:  # the engine's own message: syntax errors, unknown tables…
             return _problem(400, _engine_message(exc))
-        return JSONResponse({"columns": result.columns, "types": result.types,
-                             "rows": [[json_value(v) for v in row] for row in result.rows]})
+        try:
+            rows = [[json_safe(v) for v in row] for row in result.rows]
+        except TypeError as exc:  # a value the driver gave that json_safe doesn't know: ours to fix, said so
+            log.error("/sql: %s", exc)
+            return _problem(500, f"the result could not be written as JSON: {exc}")
+        return JSONResponse({"columns": result.columns, "types": result.types, "rows": rows})
 
     async def dashboard_api(request: Request) -> Response:
         if not authorized(request):
@@ -182,6 +256,8 @@ def build_app(store: HistoryStore, token: str, status: Callable[[], dict] | None
         project = request.query_params.get("project") or None
         try:
             data = await run_in_threadpool(dashboard_data, store, days, project)
+        except HistoryBusy as exc:
+            return _busy(exc)
         except Exception as exc:
             return _problem(500, _engine_message(exc))
         return JSONResponse(data)
@@ -302,7 +378,7 @@ class SqlClient:
             raise SqlError(f"refused: {exc}") from None
         except Exception as exc:
             raise SqlError(_engine_message(exc)) from None
-        return QueryResult(columns, types, [[json_value(v) for v in r] for r in rows])
+        return QueryResult(columns, types, [[json_safe(v) for v in r] for r in rows])
 
     def _query_sink(self, sql: str) -> QueryResult:
         import httpx
@@ -330,7 +406,7 @@ class SqlClient:
 def format_table(result: QueryResult, max_width: int = 60) -> str:
     """Rows as an aligned text table; long cells cut to ``max_width`` characters."""
     def cell(v: Any) -> str:
-        text = "NULL" if v is None else str(json_value(v))
+        text = "NULL" if v is None else str(json_safe(v))
         text = text.replace("\n", "\\n")
         return text if len(text) <= max_width else text[: max_width - 1] + "…"
 
