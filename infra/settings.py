@@ -65,11 +65,24 @@ class Settings(BaseModel):
     max_new_tokens: int = Field(256, ge=1, le=8192, description="server-side cap on max_tokens")
     max_prompt_tokens: int = Field(2048, ge=16, le=131072, description="longer prompts lose the top of the prefix")
     exploration_temperature: float | None = Field(None, ge=0, le=2,
-                                                  description="if set, overrides the client's temperature")
-    default_temperature: float = Field(0.7, gt=0, le=2, description="served when the client sends no "
-                                       "temperature, or one below min_temperature (the exploration policy)")
-    min_temperature: float = Field(0.1, ge=0, le=2, description="client temperatures below this (near-greedy) "
-                                   "get default_temperature: greedy data is not weighed as if sampled")
+                                                  description="if set, every request is served at this "
+                                                  "temperature (0: greedy), whatever the client asked; no "
+                                                  "exploration coin is flipped")
+    exploration_share: float = Field(0.1, ge=0, le=1, description="share of the requests with no temperature, or "
+                                     "one below min_temperature (Continue's), that are exploration samples drawn "
+                                     "at default_temperature; the rest are served greedily, the policy's best "
+                                     "guess. Only exploration samples train the policy (a greedy completion is a "
+                                     "point mass, no importance weight exists for it): 0 serves everyone greedily "
+                                     "and trains on nothing, 1 samples every such request (policy/exploration.py)")
+    exploration_seed: int = Field(0, description="seed of the exploration coin, a hash of the completion id and "
+                                  "this: the same seed explores the same completions on every replica and replay")
+    default_temperature: float = Field(0.7, gt=0, le=2, description="the exploration temperature: what an "
+                                       "exploration sample (exploration_share of the requests with no temperature "
+                                       "or one below min_temperature) is drawn at; the show-gate's figures are "
+                                       "logprobs at this temperature")
+    min_temperature: float = Field(0.1, ge=0, le=2, description="client temperatures below this (near-greedy) are "
+                                   "treated as none sent: greedy, or an exploration sample; at or above it the "
+                                   "client's temperature is served as asked")
     auth: Literal["keys", "open"] = Field("keys", description="keys: Bearer API keys; open: no auth, localhost only")
     rate_limit_per_minute: int = Field(600, ge=1, description="requests per minute per API key (default)")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="larger request bodies get 413")

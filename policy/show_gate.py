@@ -18,7 +18,9 @@ accepted them (``KEPT_BY``). Maximising the reward alone (+0.75 accepted, −0.2
 most suggestions of a model accepted 25 % of the time and loses a third or more of what users would have
 accepted (measured, issue 28).
 
-The features are computed from the shown line's text and its tokens' behaviour log-probabilities, both on
+The features are computed from the shown line's text and its tokens' log-probabilities at the exploration
+temperature (the behaviour ones for an exploration sample; for a greedy line, whose behaviour logprobs are
+all 0, those the door logs apart: ``completion_gate_logprobs``, ``Episode.gate_logprobs``), both on
 ``CompletionServed`` and on ``Episode`` (cut to the shown line plus the token that ended it), so a replay
 of the history refits the gate from the same numbers the door saw.
 """

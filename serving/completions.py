@@ -31,6 +31,7 @@ from policy.fim import (
     prompt_token_ids,
     safe_emit_length,
 )
+from policy.exploration import Sampling, choose_sampling, served_temperature
 from policy.show_gate import Gate, line_features
 from policy.shown import first_line, kept_token_count
 from serving.http import MAX_NAME_CHARS, HTTPProblem, field as body_field
@@ -64,22 +65,28 @@ class CompletionParams:
 
 
 def sampling_temperature(requested: float | None, settings: Settings) -> float:
-    """The exploration policy: the temperature a completion is sampled at.
+    """The temperature a request is served at when the exploration coin says exploit: what users get.
 
     ``TABLOOP_EXPLORATION_TEMPERATURE``, when set, for every request (an operator's override; 0 = greedy).
-    Otherwise the client's temperature, unless it sent none (Continue's autocomplete) or one below
-    ``TABLOOP_MIN_TEMPERATURE`` (older Continue sent 0.01): those get ``TABLOOP_DEFAULT_TEMPERATURE``.
-    Near-greedy samples are a near point mass — whatever the trainer does with them, they explore nothing
-    and their importance ratios swing with every small change of the logits — so what users get by
-    default is a real sample of the model, whose logprobs the trainer can weigh (top-p stays the
-    client's, 1 by default: every token, the end of sequence that shows nothing included, keeps a
-    non-zero probability, so any policy the trainer moves to is covered by the data).
+    Otherwise the client's temperature when it asked for one at or above ``TABLOOP_MIN_TEMPERATURE`` (it
+    asked for samples: it keeps its own, and no coin is flipped). A request that sent none (Continue's
+    autocomplete) or a near-greedy one (older Continue's 0.01, an explicit 0) is served greedily, the
+    policy's best guess — unless the coin makes it one of the ``TABLOOP_EXPLORATION_SHARE`` exploration
+    samples, drawn at ``TABLOOP_DEFAULT_TEMPERATURE``: ``request_sampling`` decides that, per completion id
+    (``policy.exploration`` holds the rule). A bench that mirrors the door calls this for the temperature
+    users are shown at, and ``policy.exploration`` for the explored share.
     """
-    if settings.exploration_temperature is not None:
-        return settings.exploration_temperature
-    if requested is None or requested < settings.min_temperature:
-        return settings.default_temperature
-    return requested
+    return served_temperature(requested, False, exploration_temperature=settings.default_temperature,
+                              min_temperature=settings.min_temperature, override=settings.exploration_temperature)
+
+
+def request_sampling(requested: float | None, completion_id: str, settings: Settings) -> Sampling:
+    """How the request ``completion_id`` is served: greedy, an exploration sample (the coin, seeded by
+    ``TABLOOP_EXPLORATION_SEED``, says so for ``TABLOOP_EXPLORATION_SHARE`` of the requests it applies to),
+    the client's own temperature or the operator's override (``policy.exploration.choose_sampling``)."""
+    return choose_sampling(requested, completion_id, share=settings.exploration_share,
+                           seed=settings.exploration_seed, exploration_temperature=settings.default_temperature,
+                           min_temperature=settings.min_temperature, override=settings.exploration_temperature)
 
 
 def parse_completion_request(body, settings: Settings) -> CompletionParams:
@@ -95,7 +102,7 @@ def parse_completion_request(body, settings: Settings) -> CompletionParams:
     max_tokens = body_field(body, "max_tokens", int, default=16)
     if max_tokens < 1:
         raise HTTPProblem(400, "'max_tokens' must be at least 1", param="max_tokens")
-    temperature = body_field(body, "temperature", (int, float))  # None: the exploration policy decides
+    temperature = body_field(body, "temperature", (int, float))  # None (or near 0): greedy, or the coin explores
     if temperature is not None and not 0 <= temperature <= 2:
         raise HTTPProblem(400, "'temperature' must be between 0 and 2", param="temperature")
     top_p = float(body_field(body, "top_p", (int, float), default=1.0))
@@ -126,7 +133,7 @@ def parse_completion_request(body, settings: Settings) -> CompletionParams:
         client_prompt=prompt,
         model_prompt=build_fim_prompt(prompt, suffix) if suffix is not None else prompt,
         max_tokens=min(max_tokens, settings.max_new_tokens),
-        temperature=sampling_temperature(temperature, settings),
+        temperature=sampling_temperature(temperature, settings),  # the run's coin may make it an exploration sample
         requested_temperature=float(temperature) if temperature is not None else None,
         top_p=top_p,
         stop=tuple(dict.fromkeys([*stop, *QWEN_STOP_WORDS])),  # the client's first, no duplicates
@@ -193,8 +200,19 @@ class CompletionRun:
     show_probability: float = 1.0
     hidden_line: str = ""
     """The line the gate hid: on the event (what the gate decided on), never sent."""
+    sampling: Sampling | None = None
+    """How this request is served: greedy, an exploration sample, the client's temperature or the override
+    (``request_sampling``, decided once the completion id exists; ``params.temperature`` is set to it)."""
+    gate_logprobs: list[float] = field(default_factory=list)
+    """The generated tokens' logprobs at the exploration temperature, the show-gate's confidence figures
+    (one per token, like ``logprobs``; the behaviour logprob where the engine reported none)."""
     _generated_chars: int = 0
     _prompt_ids_sent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sampling is None:
+            self.sampling = request_sampling(self.params.requested_temperature, self.completion_id, self.settings)
+        self.params = replace(self.params, temperature=self.sampling.temperature)
 
     def prepare(self) -> GenerationRequest:
         """Tokenize and trim the prompt; raises HTTPProblem before any response is started."""
@@ -212,10 +230,16 @@ class CompletionRun:
             detail = "" if fmt.fim_tokens else " (the served model has no FIM tokens: it continues the prefix)"
             raise HTTPProblem(400, f"'prompt' is empty{detail}", param="prompt")
         self.prompt_ids = list(ids) if self.engine.feeds_prompt_ids else []
+        # The show-gate scores a line on its tokens' logprobs at one temperature, the exploration one, whatever
+        # this request is drawn at: a greedy token's behaviour logprob is 0 (a point mass), which says nothing
+        # of how sure the model was, and a gate fit on explored lines must see greedy ones on the same scale.
+        gate_temperature = self.settings.default_temperature
         self.generation = GenerationRequest(prompt_ids=ids, max_new_tokens=self.params.max_tokens,
                                             temperature=self.params.temperature, top_p=self.params.top_p,
                                             seed=self.params.seed, prompt_text=self.prompt_text,
-                                            project_id=self.project_id)
+                                            project_id=self.project_id,
+                                            gate_temperature=(None if self.params.temperature == gate_temperature
+                                                              else gate_temperature))
         return self.generation
 
     @property
@@ -234,7 +258,7 @@ class CompletionRun:
         if not line.strip():
             return True
         kept = kept_token_count(self.token_text_ends, len(line))
-        self.gate_score = self.gate.score(line_features(line, self.logprobs[:kept]))
+        self.gate_score = self.gate.score(line_features(line, self.gate_logprobs[:kept]))
         self.gate_shown, self.show_probability = self.gate.decide(self.gate_score, self.rng)
         if not self.gate_shown:
             self.hidden_line, self.finish_reason = line, "stop"
@@ -260,6 +284,7 @@ class CompletionRun:
                     if step.token_id >= 0:  # remote engines may end with a text-only step
                         self.token_ids.append(step.token_id)
                         self.logprobs.append(step.logprob)
+                        self.gate_logprobs.append(step.logprob if step.gate_logprob is None else step.gate_logprob)
                         self.token_text_ends.append(self._generated_chars)
                         steps.append(step)
                     pending += step.text
@@ -360,6 +385,8 @@ class CompletionRun:
         gate = self.deciding_gate
         kept = kept_token_count(self.token_text_ends, len(text))
         ends = self.token_text_ends[:kept]
+        sampling = self.sampling
+        gate_logprobs = self.gate_logprobs[:kept]
         return new_event(
             "CompletionServed", completion_id=self.completion_id, project_id=self.project_id,
             user_id=self.user_id, model=self.engine.model_name,
@@ -373,6 +400,8 @@ class CompletionRun:
             finish_reason=self.finish_reason or "abort", aborted=self.aborted,
             temperature=self.params.temperature, top_p=self.params.top_p, max_tokens=self.params.max_tokens,
             requested_temperature=self.params.requested_temperature,
+            explored=sampling.explored, exploration_share=sampling.exploration_share,
+            completion_gate_logprobs=gate_logprobs if gate_logprobs != self.logprobs[:kept] else [],
             ttft_ms=self.ttft_ms, latency_ms=self.latency_ms, replica_id=self.replica_id,
             gate_version=gate.version if gate is not None else None, gate_score=self.gate_score,
             gate_threshold=gate.threshold if gate is not None else None, gate_shown=self.gate_shown,

@@ -40,6 +40,9 @@ from streams.rewards import RewardSpecs, acceptance_reward, composite_reward
 
 GATE_FIELDS = ("gate_version", "gate_score", "gate_threshold", "gate_shown", "show_probability")
 """What the show-gate decided about a completion, carried from CompletionServed to its Episode."""
+EXPLORATION_FIELDS = ("explored", "exploration_share")
+"""What the exploration coin decided (``policy.exploration``), carried from CompletionServed to its Episode: the
+trainer, off-policy evaluation and the show-gate's learner tell explored samples from greedy point masses."""
 EPISODE_NAMESPACE = uuid.UUID("6f1c2a9e-5b7d-4d8e-9c3a-2b1f0e4d7a6c")
 
 
@@ -408,7 +411,16 @@ class EpisodeJoiner:
             reward_components=components, scorer="acceptance", matched=completion is not None,
             feedback_event_id=fb["event_id"] if fb else None, time_to_decision_ms=decision_ms,
             **{name: completion[name] for name in GATE_FIELDS if completion and name in completion},
+            **{name: completion[name] for name in EXPLORATION_FIELDS if completion and name in completion},
+            gate_logprobs=_gate_logprobs_of(completion, len(tokens)),
         )
+
+
+def _gate_logprobs_of(completion: dict | None, kept: int) -> list[float]:
+    """The first ``kept`` tokens' logprobs at the exploration temperature, when the completion recorded them
+    apart from its behaviour logprobs (``shown_part`` keeps a prefix of the tokens: cut the same way)."""
+    gate = list((completion or {}).get("completion_gate_logprobs") or [])
+    return gate[:kept] if len(gate) >= kept else []
 
 
 def _ends_of(completion: dict | None, kept: int) -> list[int]:

@@ -61,24 +61,64 @@ def test_transformers_engine_logprobs_are_what_the_trainer_recomputes(tiny_model
 # -- the exploration policy -------------------------------------------------------------------------------
 
 
-def test_exploration_policy_serves_a_real_sample_when_the_client_asks_for_none_or_near_greedy(tmp_path):
-    from serving.completions import parse_completion_request, sampling_temperature
+def test_exploration_policy_shows_greedy_and_samples_the_coins_share(tmp_path):
+    """Requests with no or a near-greedy temperature are greedy unless the coin makes them exploration samples
+    at the exploration temperature; a client's own temperature and the operator's override are served as
+    they are (the rule by hand: tests/test_exploration.py)."""
+    from policy.exploration import explores
+    from serving.completions import CompletionRun, parse_completion_request, sampling_temperature
     from tests.conftest import make_settings
 
     settings = make_settings(tmp_path)
-    assert (settings.default_temperature, settings.min_temperature) == (0.7, 0.1)
-    # Continue's autocomplete sends none; older Continue sent 0.01: both get the default, 0.7.
-    assert sampling_temperature(None, settings) == 0.7
-    assert sampling_temperature(0.01, settings) == 0.7
-    assert sampling_temperature(0.0, settings) == 0.7
+    assert (settings.default_temperature, settings.min_temperature, settings.exploration_share) == (0.7, 0.1, 0.1)
+    # What users get: Continue's autocomplete sends none, older Continue sent 0.01: greedy.
+    assert sampling_temperature(None, settings) == 0.0
+    assert sampling_temperature(0.01, settings) == 0.0
+    assert sampling_temperature(0.0, settings) == 0.0
     assert sampling_temperature(0.1, settings) == 0.1 and sampling_temperature(1.3, settings) == 1.3
     # The operator's override still wins, greedy included.
     forced = make_settings(tmp_path, exploration_temperature=0.0)
     assert sampling_temperature(None, forced) == 0.0 and sampling_temperature(0.9, forced) == 0.0
     params = parse_completion_request({"prompt": "x = "}, settings)
-    assert (params.temperature, params.top_p, params.requested_temperature) == (0.7, 1.0, None)
+    assert (params.temperature, params.top_p, params.requested_temperature) == (0.0, 1.0, None)
     params = parse_completion_request({"prompt": "x = ", "temperature": 0.01, "top_p": 0.9}, settings)
-    assert (params.temperature, params.top_p, params.requested_temperature) == (0.7, 0.9, 0.01)
+    assert (params.temperature, params.top_p, params.requested_temperature) == (0.0, 0.9, 0.01)
+    # The run flips the coin once its completion id exists: an explored id is sampled at 0.7.
+    explored = next(f"cmpl-{i}" for i in range(200) if explores(f"cmpl-{i}", 0.1))
+    greedy = next(f"cmpl-{i}" for i in range(200) if not explores(f"cmpl-{i}", 0.1))
+    for cid, want in ((explored, (0.7, True, 0.1)), (greedy, (0.0, False, 0.1))):
+        run = CompletionRun(params, None, settings, "p", "u", "r", completion_id=cid)
+        assert (run.params.temperature, run.sampling.explored, run.sampling.exploration_share) == want
+    run = CompletionRun(parse_completion_request({"prompt": "x", "temperature": 0.4}, settings), None, settings,
+                        "p", "u", "r", completion_id=explored)
+    assert (run.params.temperature, run.sampling.explored, run.sampling.exploration_share) == (0.4, False, None)
+
+
+def test_a_greedy_token_reports_its_gate_logprob_at_the_exploration_temperature(tiny_model):
+    """Greedy: behaviour logprob 0 (a point mass), and beside it the logprob the exploration sampler gives the
+    same token, which the show-gate scores; a request drawn at the gate's temperature reports none apart."""
+    from serving.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(tiny_model, max_batch=1)
+    prompt = engine.tokenizer.encode("def mean(values):\n    return", add_special_tokens=False)
+
+    async def generate():
+        greedy = [s async for s in engine.stream(GenerationRequest(prompt, 6, 0.0, 0.9, gate_temperature=0.7))]
+        sampled = [s async for s in engine.stream(GenerationRequest(prompt, 6, 0.7, 1.0, seed=1))]
+        await engine.close()
+        return greedy, sampled
+
+    steps, sampled = asyncio.run(generate())
+    tokens = [s.token_id for s in steps]
+    with torch.no_grad():
+        logits = engine._base_model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    positions = range(len(prompt) - 1, len(prompt) + len(tokens) - 1)
+    assert tokens == [int(logits[p].argmax()) for p in positions]
+    assert [s.logprob for s in steps] == [0.0] * len(steps)
+    assert [s.gate_logprob for s in steps] == pytest.approx(
+        [float(sampling_log_probs(logits[p], 0.7, 0.9)[t]) for p, t in zip(positions, tokens)], abs=1e-4)
+    assert all(s.gate_logprob < 0 for s in steps)
+    assert all(s.gate_logprob is None and s.logprob < 0 for s in sampled)
 
 
 # -- what a CompletionServed event carries -----------------------------------------------------------------
@@ -153,7 +193,13 @@ def test_event_trains_the_tokens_shown_plus_the_one_that_ended_them(tiny_model, 
     _, event = run_completion(engine, {"prompt": "a = 0\n", "max_tokens": 8}, settings)
     assert (event["completion_text"], event["completion_token_ids"], event["aborted"]) == \
         ("", [tok.eos_token_id], False)
-    assert (event["temperature"], event["top_p"], event["requested_temperature"]) == (0.7, 1.0, None)
+    # No temperature sent: greedy, or an exploration sample at 0.7 where the coin says so (its id decides).
+    from policy.exploration import explores
+
+    explored = explores(run.completion_id, settings.exploration_share, settings.exploration_seed)
+    assert (event["temperature"], event["top_p"], event["requested_temperature"]) == \
+        (0.7 if explored else 0.0, 1.0, None)
+    assert (event["explored"], event["exploration_share"]) == (explored, 0.1)
 
 
 def test_event_carries_the_prompt_ids_the_engine_was_fed_when_a_trim_splits_a_character(tiny_model, tmp_path):

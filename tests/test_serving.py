@@ -117,8 +117,13 @@ def test_continue_shaped_request(served):
     assert r["completion_text"] == text
     assert r["filepath"] == "app/main.py"
     assert r["prefix"].endswith("def greet(name):\n    return ") and r["suffix"] == "\n\nprint(greet('x'))\n"
-    # Older Continue's near-greedy 0.01 is served at the exploration policy's default (recorded, both).
-    assert r["prompt"] == CONTINUE_PROMPT and r["temperature"] == 0.7 and r["requested_temperature"] == 0.01
+    # Older Continue's near-greedy 0.01 is served greedily, or sampled at the exploration temperature when the
+    # exploration coin (a hash of the completion id) names it; recorded, both.
+    from policy.exploration import explores
+
+    explored = explores(cid, served.settings.exploration_share, served.settings.exploration_seed)
+    assert r["prompt"] == CONTINUE_PROMPT and r["requested_temperature"] == 0.01
+    assert (r["temperature"], r["explored"], r["exploration_share"]) == (0.7 if explored else 0.0, explored, 0.1)
     # The ids the model was fed (the prompt was not trimmed: the same as encoding it), packed (v5), the
     # array left empty.
     assert r["prompt_token_ids"] == [] and prompt_ids(r) == served.server.engine.tokenizer.encode(CONTINUE_PROMPT, add_special_tokens=False)
@@ -296,6 +301,7 @@ def test_server_side_caps_and_exploration_temperature(kafka, tiny_model, tmp_pat
         [event] = find_events(settings, COMPLETIONS.name, lambda e: e.record["completion_id"] == resp.json()["id"])
         r = event.record
         assert r["temperature"] == 0.0 and r["max_tokens"] == 5 and len(r["completion_token_ids"]) <= 5
+        assert (r["explored"], r["exploration_share"]) == (False, None)  # the override flips no coin
         seen = r["prompt"]
         assert len(server.server.engine.tokenizer.encode(seen, add_special_tokens=False)) <= 40
         # The top of the prefix went; the FIM tokens, the end of the prefix and the suffix stayed.

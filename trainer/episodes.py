@@ -29,6 +29,21 @@ def drop_reason(episode: dict, current_version: int, max_staleness: int, serving
     "greedy": served at a temperature at or below GREEDY_TEMPERATURE, the argmax — a point mass, with no
     importance ratio to weigh it by (its probability under any other policy is 0 or 1). Counted in the
     manifest's dropped episodes, so a deployment serving greedily shows up as a trainer that trains on nothing.
+    By default most traffic is greedy (``policy.exploration``: users are shown the policy's best guess) and
+    the trainer learns from the exploration samples, ``TABLOOP_EXPLORATION_SHARE`` of it (``explored``),
+    drawn at the exploration temperature, each weighed by its ratio against its own behaviour logprobs as
+    any sample is. That is exact: the coin is a hash of the completion id, independent of the content, so
+    the explored episodes are an unbiased sample of the sampling policy at that temperature, and given the
+    coin each one's probability is its recorded one. A greedy episode can't join them. Its recorded
+    logprobs are 0 (probability 1), so weighed "as served" its ratio would be π_θ,T(y)/1: a gradient that
+    pushes up whatever the argmax was, as if it had been drawn with probability 1 from the distribution the
+    ratio assumes — which it was not: the distribution at T would have drawn other completions for the same
+    prompt, with the rewards they would have got, and the log has none of them. Nor is a point mass a
+    supervised target: reward-weighted likelihood of the argmax moves the policy towards its own mode
+    whatever the alternatives earn, an objective of its own, not the one PPO estimates. So greedy episodes
+    are left out of the policy gradient and of the reward baseline (the baseline is the mean reward of the
+    samples it centres), and only counted; the show-gate's learner does learn from them (trainer/show_gate.py):
+    its decision, show or not, was drawn with a recorded probability whichever branch served the text.
 
     "gate_hidden": the show-gate hid the completion (``gate_shown`` false). The model did not choose to show
     nothing, the gate did, over a line the user never saw: trained as an abstention it would teach the model

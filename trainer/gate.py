@@ -8,6 +8,12 @@ lower bound with what the serving version actually earned on those same episodes
 on canary) only if the bound is higher; otherwise it is published as a CANDIDATE that waits, with the
 estimate in its metrics either way.
 
+The held-out episodes the estimate weighs are the sampled ones: the exploration samples (the coin's share of
+the traffic, ``policy.exploration``) and requests at a client's own temperature. Greedy ones are point
+masses with no importance weight (``trainer.ope_episodes.select_episodes`` skips them), so the comparison is
+of V sampled as those were against what the serving version earned on the same sampled episodes, and the
+gate needs ``promote_gate_min_episodes`` of them: about 1 / share times the held-out traffic.
+
 Why held out: the episodes a version was trained on are the ones it has learnt to give more probability
 when they were accepted; weighed by that version they would flatter it. Why the serving version's own
 episodes: on them its value is not an estimate but the logged mean, so the gate compares an estimate with a

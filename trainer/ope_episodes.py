@@ -3,6 +3,11 @@
 Each episode is scored twice: its behaviour log-probability (recorded when it was served) and the
 evaluated version's log-probability of the same tokens under the same sampler (its temperature and top-p:
 the version would be served the same way). ``trainer.ope`` turns the pairs into estimates.
+
+Greedy episodes (by default most of the traffic: ``policy.exploration``) are point masses and are left out:
+the estimates are of the version *sampled* as the exploration samples were, on those episodes, beside their
+own logged figures, not of the version's greedy completions, which the log can weigh only where they
+happen to equal a logged one.
 """
 
 from __future__ import annotations
@@ -52,7 +57,12 @@ def select_episodes(episodes: Iterable[dict], tokenizer, *, project: str | None 
             out.skip("no behaviour logprobs")  # feedback on a completion we never served, or an old episode
             continue
         if episode_sampler(ep)[0] <= GREEDY_TEMPERATURE:
-            out.skip("greedy")  # a point mass: no ratio to weigh it by
+            # A point mass: no ratio to weigh it by. What is weighed is the exploration samples (``explored``,
+            # the coin's share of the traffic, a hash of the completion id independent of the content) and
+            # requests at the client's own temperature: given the coin, each one's recorded probability is
+            # exactly its behaviour probability, so the estimate is of the version served as they were
+            # (at their temperature and top-p), compared with the logged figures of those same episodes.
+            out.skip("greedy")
             continue
         picked.append(ep)
     if limit is not None and len(picked) > limit:

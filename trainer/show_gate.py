@@ -75,6 +75,12 @@ def decided_from_episode(record: dict, specs: RewardSpecs | None = None) -> Deci
     user decided (ACCEPTED or PARTIAL: accepted; REJECTED) and it showed some text. Accepted characters:
     the stripped line's length, a PARTIAL's kept share of it, 0 when rejected. IGNORED, hidden by the gate,
     unmatched feedback, an empty line: None.
+
+    Greedy and explored episodes alike: the gate's propensity is ``show_probability``, its own coin's, drawn
+    after the text whichever branch wrote it, and independent of the exploration coin (a hash of the
+    completion id), so 1 / show_probability is the exact inverse propensity of either kind. The gate is
+    learnt over the traffic as served, greedy and explored lines in the proportion users get them, which is
+    what its estimates are about; its figures are on one scale for both (``gate_logprobs``).
     """
     text = record.get("completion_text") or ""
     if (not record.get("matched") or record.get("gate_shown") is False
@@ -107,10 +113,20 @@ def hidden_features(record: dict) -> tuple[float, ...] | None:
 
 def _first_line_features(record: dict) -> tuple[float, ...] | None:
     """The figures the door scored: those of the episode's first line (a multi-line one is cut by its tokens'
-    text ends; None when an older episode has no ends to cut by)."""
-    features = first_line_features(record.get("completion_text") or "", record.get("behaviour_logprobs") or [],
+    text ends; None when an older episode has no ends to cut by), on the tokens' logprobs at the exploration
+    temperature (``gate_logprobs``; the behaviour logprobs where they are the same, as the episode then
+    leaves ``gate_logprobs`` empty, and in episodes written before)."""
+    features = first_line_features(record.get("completion_text") or "", gate_logprobs(record),
                                    record.get("completion_token_ends") or [])
     return None if features is None else tuple(features)
+
+
+def gate_logprobs(record: dict) -> list[float]:
+    """The logprobs an episode's gate figures are made of. A greedy episode's behaviour logprobs are all 0 (a
+    point mass): its ``gate_logprobs`` say how sure the model was, on the scale of the explored lines."""
+    gate = record.get("gate_logprobs") or []
+    behaviour = record.get("behaviour_logprobs") or []
+    return list(gate) if gate and len(gate) == len(behaviour) else list(behaviour)
 
 
 # -- off-policy estimates ---------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ class GenerationRequest:
     """The prompt as text, for engines that send text (remote servers tokenize themselves)."""
     project_id: str = ""
     """The requesting project: it is served its own promoted version where it has one, else the shared one."""
+    gate_temperature: float | None = None
+    """Also report each token's logprob at this temperature (and ``top_p``): the show-gate's confidence
+    figures, when the request is drawn at another temperature (greedy's behaviour logprobs are all 0)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class TokenStep:
     prompt_token_ids: tuple[int, ...] | None = None
     """Set (on one step) by engines whose server tokenized the prompt text itself: the ids it fed the model,
     which are what the episode must train on (``GenerationRequest.prompt_ids`` otherwise)."""
+    gate_logprob: float | None = None
+    """The token's logprob at the request's ``gate_temperature`` (the show-gate's figure); None: not asked
+    for, or the engine can't tell (the behaviour ``logprob`` stands in)."""
 
 
 class Engine(ABC):

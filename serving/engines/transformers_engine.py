@@ -534,13 +534,16 @@ class TransformersEngine(Engine):
                 continue
             req = slot.request
             token, logprob = sample_token(batch.decoder.logits[row], req.temperature, req.top_p, slot.generator)
+            gate_logprob = (None if req.gate_temperature is None else
+                            float(sampling_log_probs(batch.decoder.logits[row], req.gate_temperature, req.top_p)[token]))
             slot.generated.append(token)
             finish = None
             if token in self.eos_ids:
                 finish = "stop"
             elif len(slot.generated) >= req.max_new_tokens:
                 finish = "length"
-            slot.emit(TokenStep(token, logprob, self._new_text(slot, finish), slot.policy.version, finish))
+            slot.emit(TokenStep(token, logprob, self._new_text(slot, finish), slot.policy.version, finish,
+                                gate_logprob=gate_logprob))
             if finish:
                 slot.finish()
                 next_ids.append(self.pad_id)

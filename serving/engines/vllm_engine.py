@@ -13,7 +13,10 @@ returns is a server option, not a request field: run the replicas with
 returns them after temperature and top-k/top-p. Without it the recorded logprobs
 are right only for requests served at temperature 1 and top-p 1. Greedy requests
 (temperature ≤ GREEDY_TEMPERATURE) are recorded as what they are, a point mass
-(logprob 0), whatever the replica reports. New LoRA versions are loaded on every replica with
+(logprob 0), whatever the replica reports; what it reports becomes the token's
+``gate_logprob``, the show-gate's confidence figure (a replica reports one kind of
+logprob, not also those at the exploration temperature the transformers engine
+gives: the gate then sees greedy lines at temperature 1). New LoRA versions are loaded on every replica with
 ``/v1/load_lora_adapter`` and requested by adapter name. Anything that speaks
 the same API works as a replica, another ``tabloop serve`` included.
 """
@@ -140,13 +143,15 @@ class VLLMEngine(Engine):
 
 def _steps(chunk: dict, version: int, *, greedy: bool = False) -> list[TokenStep]:
     """TokenSteps from one streamed completion chunk (it may carry several tokens); ``greedy``: the request
-    took the argmax, whose behaviour logprob is 0 (a point mass) whatever the replica reports."""
+    took the argmax, whose behaviour logprob is 0 (a point mass) whatever the replica reports; the reported one
+    is kept as the step's ``gate_logprob`` (how sure the model was, for the show-gate)."""
     choice = chunk["choices"][0]
     ids = choice.get("token_ids") or []
     logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
     if len(logprobs) != len(ids):
         raise RuntimeError("the replica did not return one logprob per token id (needs return_token_ids "
                            "and logprobs support)")
+    gate = [float(lp) for lp in logprobs] if greedy else [None] * len(ids)
     if greedy:
         logprobs = [0.0] * len(ids)
     prompt_ids = choice.get("prompt_token_ids")
@@ -154,7 +159,8 @@ def _steps(chunk: dict, version: int, *, greedy: bool = False) -> list[TokenStep
     text, finish = choice.get("text", ""), choice.get("finish_reason")
     if not ids:
         return [TokenStep(-1, 0.0, text, version, finish, prompt_ids)] if (text or finish or prompt_ids) else []
-    steps = [TokenStep(t, float(lp), "", version, None, prompt_ids if i == 0 else None)
-             for i, (t, lp) in enumerate(zip(ids[:-1], logprobs[:-1]))]
-    steps.append(TokenStep(ids[-1], float(logprobs[-1]), text, version, finish, None if steps else prompt_ids))
+    steps = [TokenStep(t, float(lp), "", version, None, prompt_ids if i == 0 else None, gate_logprob=g)
+             for i, (t, lp, g) in enumerate(zip(ids[:-1], logprobs[:-1], gate[:-1]))]
+    steps.append(TokenStep(ids[-1], float(logprobs[-1]), text, version, finish, None if steps else prompt_ids,
+                           gate_logprob=gate[-1]))
     return steps
