@@ -26,18 +26,29 @@ What runs (nothing is a stand-in):
    ``tabloop.gates``) decides on those same draws (``trainer.proof.served``):
    with exploration (the served policy, ε from the gate, a seeded coin) and
    without (the gate's own decision). "No gate" is evaluated for every weight
-   version. The simulated user's rule decides each shown suggestion. A fixed
-   reference comes beside it: version 0 greedy, always shown (``reference``).
+   version. The simulated user's rule decides each shown suggestion. Two fixed
+   baselines come beside them, what a plain server gives: version 0 greedy, always
+   shown (``reference``), and version 0 greedy shown when the model's mean token
+   probability on the line reaches a threshold chosen on ``--threshold-tasks``
+   train-split tasks by the show-gate's rule (``reference.threshold_baseline``;
+   ``trainer.proof.served.ConfidenceThreshold``).
 
 Per evaluated pair (``versions``, ordered by version then gate, no gate first):
 ``accept_rate_shown`` (accepted / shown), ``shown_share`` (shown / requests; an
-empty or hidden suggestion is not shown), ``accepted_chars_per_request`` and
-``reward_mean`` (the reward spec's reward of each request's outcome), ``n``
-requests (tasks × draws), each with its 90 % interval in ``intervals`` (Wilson
-for the rates; over tasks for the means), and the same for the gate without
-exploration in ``deterministic``. The figures of the train-split traffic each
-version served online come along as ``online``. Nothing is chosen on held-out
-tasks: they are only measured.
+empty or hidden suggestion is not shown), ``accepted_chars_per_request``,
+``kept_chars_per_request`` (of the accepted characters, those that agree with the
+task's true continuation: ``trainer.proof.simulate.kept_characters``; a half-right
+line accepted in full counts half) and ``reward_mean`` (the reward spec's reward of
+each request's outcome), ``n`` requests (tasks × draws), each with two 90 %
+intervals: ``intervals_by_task`` (clustered by task, ``trainer.proof.intervals``:
+the ones to read; the draws of a task are not independent) and ``intervals`` (the
+first kind, kept: Wilson over draws for the rates, normal over per-task means for
+the rest); ``vs_reference``: each figure minus the greedy always-show reference's
+on the same tasks, paired by task; and the same for the gate without exploration
+in ``deterministic``. The figures of the train-split traffic each version served
+online come along as ``online``. Nothing is chosen on held-out tasks: they are
+only measured. The table printed at the end (also ``table.md``) says which
+interval it shows.
 
 ``feedback_to_policy_s``: from the first feedback the users sent to the end of
 the first completion served by a trained policy or gate (the front door's
@@ -57,7 +68,7 @@ accept rate and policy loss, from its WeightVersion's metrics).
 Everything the figures come from is written to ``--out``: ``requests.jsonl``
 (each simulated request), ``heldout.jsonl`` (each held-out completion, its
 decision and reward), ``loop.json`` (the result, also the last stdout line),
-``loop.png`` (the plot) and ``system.log`` (the components' output).
+``loop.png`` (the plot), ``table.md`` (the printed table) and ``system.log`` (the components' output).
 """
 
 from __future__ import annotations
@@ -73,9 +84,13 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from infra.errors import TabloopError
-from trainer.proof.served import LEVEL
+from trainer.proof.intervals import INTERVALS_NOTE, LEVEL
 
 FIGURES = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "reward_mean")
+KEPT = "kept_chars_per_request"
+"""Issue 41, item 4: of the accepted characters, those the user keeps."""
+REPORTED = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", KEPT, "reward_mean")
+"""Every figure an evaluated policy gets, in the order the table and the plot show them."""
 
 # Cursor's Tab RL result, the goal on held-out tasks (issue 7): accept rate among shown suggestions up by 28 %
 # relative, 20 % fewer suggestions shown, no fewer accepted characters per request; and a trained policy
@@ -116,6 +131,9 @@ class LoopBenchConfig:
     """Evaluate at most this many versions (0 and the last always, the rest evenly spaced); None: every one."""
     eval_temperature: float | None = None
     """None: the temperature the door serves the users at (``serving.completions.sampling_temperature``)."""
+    threshold_tasks: int = 100
+    """Train-split tasks (at most) the confidence-threshold baseline's threshold is chosen on, from version 0's
+    greedy completions of them; 0: no such baseline."""
     healthy_timeout_s: float = 600.0
     keep_state: bool = False
     abandon_share: float = 0.15
@@ -146,6 +164,8 @@ class LoopBenchConfig:
             raise ValueError(f"minutes must be positive, got {self.minutes}")
         if self.users < 1 or (self.heldout is not None and self.heldout < 1) or self.draws < 1:
             raise ValueError("users, heldout and draws must be at least 1")
+        if self.threshold_tasks < 0:
+            raise ValueError(f"threshold_tasks must be 0 or more, got {self.threshold_tasks}")
         from trainer.proof.teams import TEAMS
 
         if self.team is not None and self.team not in TEAMS:
@@ -292,11 +312,12 @@ def gates_by_version(gate_records: Iterable[dict], project: str) -> dict[int, di
     return {**shared, **own}
 
 
-def goal(first: dict, last: dict, to_policy_s: float | None, chars_difference: dict | None = None) -> dict:
+def goal(first: dict, last: dict, to_policy_s: float | None, chars_difference: dict | None = None,
+         kept_difference: dict | None = None) -> dict:
     """Issue 28's goal for the show-gate loop, comparing the last served pair's held-out figures with version
     0's served policy. Accepted characters per request are "not lower" when the paired difference's interval
     (``chars_difference``, last − first over the same tasks) reaches 0; without it, when the last's is at
-    least the first's."""
+    least the first's. ``kept_difference``, the same for kept characters, comes along (issue 41)."""
     from trainer.proof.served import relative_change as rel
 
     accept_gain = rel(last["accept_rate_shown"], first["accept_rate_shown"])
@@ -315,17 +336,23 @@ def goal(first: dict, last: dict, to_policy_s: float | None, chars_difference: d
     return {"accept_rate_rel_change": accept_gain, "shown_share_rel_change": shown_change,
             "accepted_chars_change": None if chars_last is None or chars_first is None
             else round(chars_last - chars_first, 4), "accepted_chars_difference": chars_difference,
-            **checks, "met": all(checks.values())}
+            "kept_chars_difference": kept_difference, **checks, "met": all(checks.values())}
 
 
-def team_goal(first: dict, last: dict) -> dict:
+def team_goal(first: dict, last: dict, difference: dict | None = None) -> dict:
     """Issue 28's goal for the team loop: the team's held-out accept rate among shown up 50 % relative to
-    version 0, the last version's Wilson interval beside version 0's."""
+    version 0, the last version's Wilson interval beside version 0's; the same clustered by task, and
+    ``difference`` (last − first, paired by task) with whether its interval is above 0."""
     from trainer.proof.served import relative_change
 
     gain = relative_change(last["accept_rate_shown"], first["accept_rate_shown"])
     intervals = {label: e.get("intervals", {}).get("accept_rate_shown") for label, e in (("first", first), ("last", last))}
+    by_task = {label: e.get("intervals_by_task", {}).get("accept_rate_shown")
+               for label, e in (("first", first), ("last", last))}
     return {"accept_rate_rel_change": gain, "accept_rate_shown_intervals": intervals,
+            "accept_rate_shown_intervals_by_task": by_task, "accept_rate_difference": difference,
+            "difference_above_zero": (difference is not None and difference.get("low") is not None
+                                      and difference["low"] > 0),
             "interval_above_first": (intervals["last"] is not None and intervals["last"][0] is not None
                                      and first["accept_rate_shown"] is not None
                                      and intervals["last"][0] > first["accept_rate_shown"]),
@@ -336,9 +363,12 @@ def team_goal(first: dict, last: dict) -> dict:
 # -- the plot ----------------------------------------------------------------------------------
 
 def plot(result: dict, path: Path) -> Path:
-    """Each figure per weight version: the served policy on held-out tasks with its interval (no gate, and the
-    last gate served with each version), the greedy always-show reference of version 0 (dotted), and the
-    train-split traffic served online (dashed)."""
+    """Each figure per weight version: the served policy on held-out tasks with its interval clustered by task
+    (no gate, and the last gate served with each version), the greedy always-show reference of version 0
+    (dotted), the same under its confidence threshold (dash-dotted), and the train-split traffic served online
+    (dashed)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,33 +376,41 @@ def plot(result: dict, path: Path) -> Path:
 
     online = {o["version"]: o for o in result.get("online", [])}
     reference = result.get("reference") or {}
+    threshold = reference.get("threshold_baseline") or {}
     titles = {"accept_rate_shown": "accept rate among shown", "shown_share": "share of requests shown",
-              "accepted_chars_per_request": "accepted chars per request", "reward_mean": "mean reward"}
+              "accepted_chars_per_request": "accepted chars per request", KEPT: "kept chars per request",
+              "reward_mean": "mean reward"}
     no_gate = [v for v in result["versions"] if v.get("gate_version") is None]
     gated: dict[int, dict] = {}
     for v in result["versions"]:
         if v.get("gate_version") is not None:
             gated[v["version"]] = v  # the last gate served with each version
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
-    for ax, key in zip(axes.flat, FIGURES):
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7), sharex=True)
+    axes.flat[-1].axis("off")
+    axes.flat[-1].text(0.0, 0.5, textwrap.fill(f"Error bars: {INTERVALS_NOTE}.", 45), fontsize=8, va="center")
+    for ax, key in zip(axes.flat, REPORTED):
         for label, series, marker in (("held-out, served (no gate)", no_gate, "o"),
                                       ("held-out, served (with its gate)", [gated[k] for k in sorted(gated)], "s")):
             if not series:
                 continue
             xs = [v["version"] for v in series]
-            ys = [v[key] if v[key] is not None else float("nan") for v in series]
+            ys = [v[key] if v.get(key) is not None else float("nan") for v in series]
             bars = [_error_bar(v, key) for v in series]
             ax.errorbar(xs, ys, yerr=[[lo for lo, _ in bars], [hi for _, hi in bars]], marker=marker, capsize=3,
                         label=label)
         if reference.get(key) is not None:
             ax.axhline(reference[key], linestyle=":", color="grey", label="v0 greedy, always shown")
+        if threshold.get(key) is not None:
+            ax.axhline(threshold[key], linestyle="-.", color="grey", alpha=0.7,
+                       label="v0 greedy, confidence threshold")
         ov = sorted(online)
         if ov:
             ax.plot(ov, [online[v][key] if online[v].get(key) is not None else float("nan") for v in ov],
                     linestyle="--", marker=".", alpha=0.6, label="train split (served online)")
         ax.set_title(titles[key])
+        ax.tick_params(labelbottom=True)
         ax.grid(alpha=0.3)
-    for ax in axes[1]:
+    for ax in axes.flat:
         ax.set_xlabel("policy version")
     axes[0][0].legend(fontsize=7)
     f2p = result.get("feedback_to_policy_s")
@@ -386,8 +424,10 @@ def plot(result: dict, path: Path) -> Path:
 
 
 def _error_bar(entry: dict, key: str) -> tuple[float, float]:
-    """(below, above) the figure to its interval's ends; (0, 0) without one."""
-    value, interval = entry.get(key), (entry.get("intervals") or {}).get(key)
+    """(below, above) the figure to its interval's ends, clustered by task (the first kind in results written
+    before those); (0, 0) without one."""
+    value = entry.get(key)
+    interval = (entry.get("intervals_by_task") or entry.get("intervals") or {}).get(key)
     if value is None or interval is None or None in interval:
         return 0.0, 0.0
     return max(0.0, value - interval[0]), max(0.0, interval[1] - value)
@@ -513,8 +553,8 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
             f"{sorted({g for gs in pairs.values() for g in gs}) or 'none'}; evaluating the served policy on "
             f"held-out tasks at temperature {temperature}, {config.draws} draws")
         evaluated = evaluate_served(settings, model_spec, config, heldout, user_model, spec, published, pairs,
-                                    gates_by_version(gate_records, SIM_PROJECT), temperature, say)
-        versions, reference, rows_all, chars_difference = evaluated
+                                    gates_by_version(gate_records, SIM_PROJECT), temperature, say, train=train)
+        versions, reference, rows_all, differences = evaluated
         (out_dir / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_all))
     finally:
         if supervisor is not None and thread is not None and thread.is_alive():
@@ -533,7 +573,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     for v in versions:  # publication times relative to the first feedback, as feedback_to_policy_s is
         if v["published_s"] is not None and first_feedback is not None:
             v["published_s"] = round(v["published_s"] - first_feedback, 2)
-    online = [{"version": v, **{k: part[k] for k in ("completed", "shown", "accepted", *FIGURES[:3])}}
+    online = [{"version": v, **{k: part[k] for k in ("completed", "shown", "accepted", *FIGURES[:3], KEPT)}}
               for v, part in report.by_version().items()]
     online_rewards = _online_rewards(records, spec)
     for o in online:
@@ -543,10 +583,14 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
         "minutes": config.minutes, "users": config.users, "rule": config.rule if config.team is None else "team",
         "user_threshold": config.threshold, "train_tasks": len(train),
         "team": config.team, "heldout_tasks": len(heldout), "draws": config.draws,
-        "eval_temperature": temperature, "interval_level": LEVEL, "versions": versions, "reference": reference,
+        "eval_temperature": temperature, "interval_level": LEVEL, "intervals_note": INTERVALS_NOTE,
+        "versions": versions, "reference": reference, "threshold_tasks": config.threshold_tasks,
+        "differences_last_vs_first": differences,
         "served_pairs": {str(v): g for v, g in pairs.items()}, "feedback_to_policy_s": to_policy,
-        "goal": (None if not versions else team_goal(versions[0], versions[-1]) if config.team
-                 else goal(versions[0], versions[-1], to_policy, chars_difference)),
+        "goal": (None if not versions
+                 else team_goal(versions[0], versions[-1], differences["accept_rate_shown"]) if config.team
+                 else goal(versions[0], versions[-1], to_policy, differences["accepted_chars_per_request"],
+                           differences[KEPT])),
         "online": online, "simulation": {k: sim_summary[k] for k in (
             "requests", "completed", "abandoned", "errors", "shown", "accepted", "feedback_sent", "feedback_errors",
             "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms")},
@@ -567,10 +611,13 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
                                                                                               SIM_PROJECT)),
         "wall_s": round(time.monotonic() - started, 1),
         "files": {name: str(out_dir / name) for name in
-                  ("loop.json", "loop.png", "requests.jsonl", "heldout.jsonl", "system.log")},
+                  ("loop.json", "loop.png", "table.md", "requests.jsonl", "heldout.jsonl", "system.log")},
     }
     (out_dir / "loop.json").write_text(json.dumps(result, indent=1))
     plot(result, out_dir / "loop.png")
+    table = results_table(result)
+    (out_dir / "table.md").write_text(table + "\n")
+    say(f"bench loop: held-out figures\n{table}")
     return result
 
 
@@ -602,30 +649,44 @@ def served_temperature(settings, sim_config, config: LoopBenchConfig) -> float:
 
 def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout, user_model, spec,
                     published: dict, pairs: dict[int, list[int]], gate_records: dict[int, dict],
-                    temperature: float, say) -> tuple[list[dict], dict, list[dict], dict | None]:
+                    temperature: float, say, train: Sequence = ()) -> tuple[list[dict], dict, list[dict], dict | None]:
     """(entries per served pair, the greedy always-show reference of version 0, every held-out row, the
-    paired difference of accepted characters per request, last − first). Per weight version the draws are
-    sampled once; no gate, then each gate version served with it, decide on them."""
+    paired differences of every figure, last − first). Per weight version the draws are sampled once; no
+    gate, then each gate version served with it, decide on them. The reference carries the confidence-threshold
+    baseline (``reference["threshold_baseline"]``, its threshold chosen on ``train`` tasks), and every entry
+    its paired difference with the reference (``vs_reference``)."""
     from policy.show_gate import Gate
     from trainer.proof.evaluate import load_policy, sample_draws
-    from trainer.proof.served import figures, paired_difference, served_rows
+    from trainer.proof.served import figures, paired_figures, served_rows
 
-    def sample(model, tokenizer, draws: int, temp: float):
-        return sample_draws(model, tokenizer, heldout, draws=draws, temperature=temp, top_p=1.0,
+    def sample(model, tokenizer, tasks, draws: int, temp: float, **kwargs):
+        return sample_draws(model, tokenizer, tasks, draws=draws, temperature=temp, top_p=1.0,
                             max_new_tokens=config.max_tokens, batch_size=config.eval_batch_size,
-                            max_prompt_tokens=settings.max_prompt_tokens, seed=config.seed)
+                            max_prompt_tokens=settings.max_prompt_tokens, seed=config.seed, **kwargs)
 
-    entries, rows_all, reference, served_by_entry = [], [], {}, []
+    entries, rows_all, reference, served_by_entry, greedy = [], [], {}, [], []
     for version in versions_to_evaluate(versions_served(published, pairs), config.max_evals):
         t0 = time.monotonic()
         model, tokenizer, _ = load_policy(settings, str(version), model_spec=model_spec)
         if version == 0:
-            greedy = served_rows(heldout, sample(model, tokenizer, 1, 0.0), None, user_model, spec, explore=False)
+            # Greedy draws carry the model's own log-probabilities (temperature 1), what a confidence threshold
+            # reads; the always-show reference does not look at them.
+            greedy_draws = sample(model, tokenizer, heldout, 1, 0.0, gate_temperature=1.0)
+            greedy = served_rows(heldout, greedy_draws, None, user_model, spec, explore=False)
             rows_all += [{"version": 0, "gate_version": None, "policy": "reference", **r} for r in greedy]
             reference = {"version": 0, "decoding": "greedy", "gate_version": None, **figures(greedy)}
-            say(f"bench loop: reference (v0 greedy, always shown): " + ", ".join(
-                f"{k} {reference[k]}" for k in ("n", *FIGURES)))
-        draws = sample(model, tokenizer, config.draws, temperature)
+            say("bench loop: reference (v0 greedy, always shown): " + ", ".join(
+                f"{k} {reference[k]}" for k in ("n", *REPORTED)))
+            if config.threshold_tasks and train:
+                baseline, rows = threshold_baseline(
+                    config, settings, train, greedy_draws, greedy, heldout, user_model, spec,
+                    lambda tasks: sample(model, tokenizer, tasks, 1, 0.0, gate_temperature=1.0))
+                rows_all += [{"version": 0, "gate_version": None, "policy": "reference_threshold", **r} for r in rows]
+                reference["threshold_baseline"] = baseline
+                say(f"bench loop: reference (v0 greedy, mean token probability ≥ {baseline['threshold']}, chosen on "
+                    f"{baseline['train_tasks']} train tasks): "
+                    + ", ".join(f"{k} {baseline[k]}" for k in ("n", *REPORTED)))
+        draws = sample(model, tokenizer, heldout, config.draws, temperature)
         sampled_s = round(time.monotonic() - t0, 1)
         for gate_version in [None, *pairs.get(version, [])]:
             gate = None
@@ -641,16 +702,93 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
                 rows_all += [{"version": version, "gate_version": gate_version, "policy": "gate", **r}
                              for r in decided]
             entry = {"version": version, "gate_version": gate_version, **figures(served),
-                     "deterministic": figures(decided),
+                     "vs_reference": paired_figures(served, greedy) if greedy else None,
+                     "deterministic": {**figures(decided),
+                                       "vs_reference": paired_figures(decided, greedy) if greedy else None},
                      "gate_threshold": None if gate is None else gate.threshold,
                      "published_s": published.get(version), "sampled_s": sampled_s}
             entries.append(entry)
             served_by_entry.append(served)
             say(f"bench loop: v{version} gate {gate_version}: " + ", ".join(
-                f"{k} {entry[k]}" for k in ("n", *FIGURES)))
+                f"{k} {entry[k]}" for k in ("n", *REPORTED)))
         del model
-    chars = paired_difference(served_by_entry[-1], served_by_entry[0], "accepted_chars") if entries else None
-    return entries, reference, rows_all, chars
+    differences = paired_figures(served_by_entry[-1], served_by_entry[0]) if entries else None
+    return entries, reference, rows_all, differences
+
+
+def threshold_baseline(config: LoopBenchConfig, settings, train: Sequence, greedy_draws: Sequence,
+                       greedy_rows: Sequence[dict], heldout: Sequence, user_model, spec,
+                       sample_greedy: Callable[[Sequence], Sequence]) -> tuple[dict, list[dict]]:
+    """(the figures, the held-out rows) of the baseline "version 0 greedy, shown when its mean token probability
+    reaches a threshold" (``trainer.proof.served.ConfidenceThreshold``). The threshold is chosen on greedy
+    completions of up to ``config.threshold_tasks`` train-split tasks (a seeded sample), decided by the same
+    user, by the show-gate's rule at ``TABLOOP_GATE_KEEP_CHARS`` (``choose_confidence_threshold``); the
+    held-out tasks are only measured. ``greedy_draws``/``greedy_rows``: version 0's greedy held-out draws
+    (with temperature-1 log-probabilities) and the always-show reference's rows on them."""
+    import random
+
+    from trainer.proof.served import (ConfidenceThreshold, choose_confidence_threshold, figures, paired_figures,
+                                      served_rows)
+
+    picked = list(train)
+    if len(picked) > config.threshold_tasks:
+        picked = random.Random(f"{config.seed}:threshold").sample(picked, config.threshold_tasks)
+    train_draws = sample_greedy(picked)
+    train_rows = served_rows(picked, train_draws, None, user_model, spec, explore=False)
+    threshold = choose_confidence_threshold(train_rows, train_draws, settings.gate_keep_chars)
+    rule = ConfidenceThreshold(threshold)
+    rows = served_rows(heldout, greedy_draws, rule, user_model, spec, explore=False)
+    trained_on = figures(train_rows)
+    baseline = {"version": 0, "decoding": "greedy", "gate_version": None, "rule": "mean token probability",
+                "threshold": round(threshold, 6), "keep_chars": settings.gate_keep_chars,
+                "train_tasks": len(picked), **figures(rows), "vs_reference": paired_figures(rows, greedy_rows),
+                "train": {k: trained_on[k] for k in ("n", *REPORTED)}}
+    return baseline, rows
+
+
+def results_table(result: dict) -> str:
+    """The held-out figures as a markdown table: the two plain-server baselines (version 0 greedy, always shown;
+    the same under a confidence threshold), then every served pair; each figure with its interval clustered by
+    task, and accepted and kept characters per request minus the greedy always-show reference's, paired by
+    task. Entries without ``intervals_by_task`` (older results) show the figure alone."""
+
+    def cell(entry: dict, key: str) -> str:
+        value = entry.get(key)
+        if value is None:
+            return "–"
+        low, high = (entry.get("intervals_by_task") or {}).get(key) or (None, None)
+        return f"{value:.3f}" if low is None else f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+    def delta(entry: dict, key: str) -> str:
+        d = (entry.get("vs_reference") or {}).get(key) or {}
+        if d.get("value") is None:
+            return "–"
+        if d.get("low") is None:
+            return f"{d['value']:+.3f}"
+        return f"{d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+
+    titles = {"accept_rate_shown": "accept rate among shown", "shown_share": "share shown",
+              "accepted_chars_per_request": "accepted chars/req", KEPT: "kept chars/req", "reward_mean": "mean reward"}
+    rows: list[tuple[str, dict]] = []
+    reference = result.get("reference") or {}
+    if reference:
+        rows.append(("v0 greedy, always shown (reference)", reference))
+        threshold = reference.get("threshold_baseline")
+        if threshold:
+            rows.append((f"v0 greedy, mean token prob ≥ {threshold['threshold']:.3g} (chosen on train)", threshold))
+    for v in result.get("versions", []):
+        gate = "" if v.get("gate_version") is None else f" + gate v{v['gate_version']}"
+        rows.append((f"v{v['version']}{gate}, served", v))
+    head = (["policy", "n", *(titles[k] for k in REPORTED), "Δ accepted chars/req vs reference",
+             "Δ kept chars/req vs reference"])
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "|".join("---:" for _ in head[1:]) + "|"]
+    for label, entry in rows:
+        cells = [label, str(entry.get("n", "–")), *(cell(entry, k) for k in REPORTED),
+                 delta(entry, "accepted_chars_per_request"), delta(entry, KEPT)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"{INTERVALS_NOTE}; Δ: minus v0 greedy always-shown on the same tasks.")
+    return "\n".join(lines)
 
 
 def _wait_healthy(supervisor, timeout_s: float, log_path: Path) -> None:
@@ -694,7 +832,7 @@ def _online_rewards(records: Sequence[dict], spec) -> dict[int, float]:
 
 # -- the command ---------------------------------------------------------------------------------
 
-QUICK = {"minutes": 2.0, "users": 2, "heldout": 16, "batch_size": 8, "batch_wait_s": 10.0}
+QUICK = {"minutes": 2.0, "users": 2, "heldout": 16, "batch_size": 8, "batch_wait_s": 10.0, "threshold_tasks": 16}
 
 
 def _click():
@@ -730,6 +868,9 @@ def _click():
     @click.option("--eval-temperature", type=click.FloatRange(0, 2), default=None,
                   help="Held-out draws at this temperature (default: the one the door serves the users at; "
                        "0: greedy).")
+    @click.option("--threshold-tasks", type=click.IntRange(min=0), default=None,
+                  help="Train-split tasks the confidence-threshold baseline's threshold is chosen on (default 100; "
+                       "--quick: 16; 0: no such baseline).")
     @click.option("--max-evals", type=click.IntRange(min=2), default=None,
                   help="Evaluate at most this many versions: 0, the last, and evenly spaced ones (default: all).")
     @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
@@ -759,7 +900,8 @@ def _click():
                   help="Where loop.json, loop.png and the recorded requests go.")
     @click.pass_context
     def bench_loop(ctx, minutes, users, model, heldout, draws, team, train_limit, rule, threshold, batch_size, lr, lora_rank,
-                   exploration_temperature, eval_temperature, max_evals, max_tokens, abandon_share, max_staleness,
+                   exploration_temperature, eval_temperature, threshold_tasks, max_evals, max_tokens, abandon_share,
+                   max_staleness,
                    ignored_ttl, save_every, canary_share, canary_min_episodes, promote_gate, gate_share,
                    gate_min_episodes, seed, quick, keep_state, out_dir) -> None:
         """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
@@ -767,10 +909,12 @@ def _click():
         from infra.kafka_broker import KafkaLaunchError
         from policy.models import ModelLoadError
 
-        defaults = {"minutes": 15.0, "users": 4, "heldout": None, "batch_size": 16, "batch_wait_s": 20.0}
+        defaults = {"minutes": 15.0, "users": 4, "heldout": None, "batch_size": 16, "batch_wait_s": 20.0,
+                    "threshold_tasks": 100}
         if quick:
             defaults.update(QUICK)
-        given = {"minutes": minutes, "users": users, "heldout": heldout, "batch_size": batch_size}
+        given = {"minutes": minutes, "users": users, "heldout": heldout, "batch_size": batch_size,
+                 "threshold_tasks": threshold_tasks}
         chosen = {k: (given.get(k) if given.get(k) is not None else v) for k, v in defaults.items()}
         try:
             if threshold is None:

@@ -143,6 +143,16 @@ def test_eval_cli_user_scorer_reports_what_the_user_made_of_it(tiny_model, tmp_p
     assert sim["accept_rate_shown"] == 1.0 and exact["accept_rate_shown"] == 0.0
     assert sim["accepted_chars_per_request"] == round(sum(len(c) for c in shown) / n, 4)
     assert exact["accepted_chars_per_request"] == 0.0
+    # Kept characters: of what similarity ≥ 0 accepts, the agreement with each task's true continuation.
+    from trainer.proof.simulate import kept_chars_of
+    from policy.shown import shown_text, single_line_mode
+
+    by_id = {t.task_id: t for t in TASKS}
+    kept = [kept_chars_of(by_id[c["task_id"]], shown_text(c["completion"],
+                                                          single_line=single_line_mode(by_id[c["task_id"]].prefix)),
+                          True) for c in json.loads(out.read_text())["completions"]]
+    assert sim["kept_chars_per_request"] == round(sum(kept) / n, 4) <= sim["accepted_chars_per_request"]
+    assert exact["kept_chars_per_request"] == 0.0 and "kept chars/req" in result.output
     assert sim["reward_mean"] == round(len(shown) / n, 4) and exact["reward_mean"] == round(-len(shown) / n, 4)
     assert (exact["user_rule"], exact["user_threshold"]) == ("exact", 0.8)
     stray = CliRunner().invoke(main, ["eval", str(data), "--rule", "similarity"], env=env)

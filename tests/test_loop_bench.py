@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from streams.rewards import RewardSpec
-from tabloop.loop_bench import FIGURES, feedback_to_policy_s, goal, heldout_rows
+from tabloop.loop_bench import FIGURES, KEPT, REPORTED, feedback_to_policy_s, goal, heldout_rows
 from trainer.metrics import user_figures
 from trainer.proof.simulate import UserModel
 from trainer.proof.tasks import FimTask
@@ -61,6 +61,97 @@ def test_goal_compares_the_last_version_with_the_base():
     assert not goal(base, worse, 30.0)["accepted_chars_not_lower"]
 
 
+def test_the_goals_carry_the_paired_differences():
+    base = {"accept_rate_shown": 0.10, "shown_share": 0.80, "accepted_chars_per_request": 1.0,
+            "intervals_by_task": {"accept_rate_shown": [0.05, 0.15]}}
+    better = {"accept_rate_shown": 0.13, "shown_share": 0.60, "accepted_chars_per_request": 1.2,
+              "intervals_by_task": {"accept_rate_shown": [0.09, 0.18]}}
+    kept = {"value": 0.1, "low": -0.05, "high": 0.25, "se": 0.09, "tasks": 40}
+    assert goal(base, better, 30.0, None, kept)["kept_chars_difference"] == kept
+    from tabloop.loop_bench import team_goal
+
+    t = team_goal(base, better, {"value": 0.03, "low": 0.01, "high": 0.05})
+    assert t["difference_above_zero"] and t["accept_rate_shown_intervals_by_task"] == {
+        "first": [0.05, 0.15], "last": [0.09, 0.18]}
+    assert not team_goal(base, better, {"value": 0.03, "low": -0.01, "high": 0.07})["difference_above_zero"]
+    assert not team_goal(base, better)["difference_above_zero"]
+
+
+def test_the_confidence_threshold_baseline_is_chosen_on_train_tasks_and_measured_on_held_out_ones():
+    """Issue 41, item 6: "greedy + a fixed logprob threshold chosen on train traffic", beside the reference."""
+    import math
+    from types import SimpleNamespace
+
+    from tabloop.loop_bench import LoopBenchConfig, threshold_baseline
+    from trainer.proof.evaluate import Draw
+    from trainer.proof.served import served_rows
+
+    train = [_task(0, "x = ", "compute(1)"), _task(1, "y = ", "other(2)"), _task(2, "z = ", "third(3)")]
+    greedy_train = {"t0": ("compute(1)", 0.9), "t1": ("wrong(2)", 0.2), "t2": ("third(3)", 0.4)}
+    asked = []
+
+    def sample_greedy(tasks):
+        asked.append([t.task_id for t in tasks])
+        return [Draw(i, 0, greedy_train[t.task_id][0], greedy_train[t.task_id][0],
+                     (math.log(greedy_train[t.task_id][1]),)) for i, t in enumerate(tasks)]
+
+    heldout = [_task(10, "a = ", "alpha()"), _task(11, "b = ", "beta()")]
+    draws = [Draw(0, 0, "alpha()", "alpha()", (math.log(0.5),)), Draw(1, 0, "gamma()", "gamma()", (math.log(0.3),))]
+    user, spec = UserModel("exact"), RewardSpec()
+    reference = served_rows(heldout, draws, None, user, spec, explore=False)
+    settings = SimpleNamespace(gate_keep_chars=0.95)
+    baseline, rows = threshold_baseline(LoopBenchConfig(threshold_tasks=3), settings, train, draws, reference,
+                                        heldout, user, spec, sample_greedy)
+    # Train: 18 characters accepted (10 at p 0.9, 8 at p 0.4); keeping 95 % hides only the p 0.2 line: θ = 0.4.
+    assert asked == [["t0", "t1", "t2"]] and baseline["threshold"] == 0.4 and baseline["train_tasks"] == 3
+    assert baseline["train"]["accepted_chars_per_request"] == 6.0
+    # Held out: alpha() at 0.5 shown and accepted (7 characters), gamma() at 0.3 hidden.
+    assert [r["outcome"] for r in rows] == ["ACCEPTED", "IGNORED"]
+    assert (baseline["shown_share"], baseline["accept_rate_shown"], baseline["accepted_chars_per_request"],
+            baseline[KEPT], baseline["reward_mean"]) == (0.5, 1.0, 3.5, 3.5, 0.375)
+    # Beside the reference (both shown: 0.75 − 0.25): the same characters, half as much shown, reward +0.125.
+    vs = baseline["vs_reference"]
+    assert (vs["shown_share"]["value"], vs["accepted_chars_per_request"]["value"], vs["reward_mean"]["value"]) == (
+        -0.5, 0.0, 0.125)
+    # At most threshold_tasks train tasks, a seeded sample: the same two every time.
+    again = [threshold_baseline(LoopBenchConfig(threshold_tasks=2), settings, train, draws, reference, heldout,
+                                user, spec, sample_greedy)[0]["train_tasks"] for _ in range(2)]
+    assert again == [2, 2] and len(asked[1]) == 2 and asked[1] == asked[2]
+    with pytest.raises(ValueError, match="threshold_tasks"):
+        LoopBenchConfig(threshold_tasks=-1)
+
+
+def test_the_printed_table_shows_kept_beside_accepted_with_the_clustered_intervals():
+    from tabloop.loop_bench import results_table
+
+    def entry(n, values, by_task=None, vs=None):
+        e = {"n": n, **dict(zip(REPORTED, values))}
+        if by_task is not None:
+            e["intervals_by_task"] = dict(zip(REPORTED, by_task))
+        if vs is not None:
+            e["vs_reference"] = vs
+        return e
+
+    reference = entry(8, [0.25, 1.0, 2.0, 1.5, -0.05], [[0.1, 0.4], [1.0, 1.0], [1.0, 3.0], [0.5, 2.5], [-0.2, 0.1]])
+    reference["threshold_baseline"] = {**entry(8, [0.5, 0.5, 2.0, 1.5, 0.2]), "threshold": 0.4,
+                                       "vs_reference": {"accepted_chars_per_request": {"value": 0.0, "low": None},
+                                                        KEPT: {"value": 0.0, "low": -0.5, "high": 0.5}}}
+    served = {**entry(16, [0.3, 0.9, 2.5, 2.25, 0.0], [[0.2, 0.4], [0.8, 1.0], [1.5, 3.5], [1.25, 3.25], [-0.1, 0.1]],
+                      {"accepted_chars_per_request": {"value": 0.5, "low": -0.25, "high": 1.25},
+                       KEPT: {"value": 0.75, "low": 0.125, "high": 1.375}}), "version": 3, "gate_version": 2}
+    table = results_table({"reference": reference, "versions": [served]}).splitlines()
+    assert table[0] == ("| policy | n | accept rate among shown | share shown | accepted chars/req | kept chars/req | "
+                        "mean reward | Δ accepted chars/req vs reference | Δ kept chars/req vs reference |")
+    assert table[2] == ("| v0 greedy, always shown (reference) | 8 | 0.250 [0.100, 0.400] | 1.000 [1.000, 1.000] | "
+                        "2.000 [1.000, 3.000] | 1.500 [0.500, 2.500] | -0.050 [-0.200, 0.100] | – | – |")
+    assert table[3] == ("| v0 greedy, mean token prob ≥ 0.4 (chosen on train) | 8 | 0.500 | 0.500 | 2.000 | 1.500 | "
+                        "0.200 | +0.000 | +0.000 [-0.500, +0.500] |")
+    assert table[4] == ("| v3 + gate v2, served | 16 | 0.300 [0.200, 0.400] | 0.900 [0.800, 1.000] | "
+                        "2.500 [1.500, 3.500] | 2.250 [1.250, 3.250] | 0.000 [-0.100, 0.100] | "
+                        "+0.500 [-0.250, +1.250] | +0.750 [+0.125, +1.375] |")
+    assert "clustered by task" in table[-1] and "paired by task" in table[-1]
+
+
 # The loop bench's drills: about 400 s alone, past 540 s beside three other drills on a busy day (two CI runs
 # at 1f5ef00); the limits guard a hang, they time nothing.
 LOOP_DRILL_S = 840
@@ -80,21 +171,32 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
 
-    assert set(result) >= {"versions", "feedback_to_policy_s", "online", "goal", "reference", "served_pairs"}
+    assert set(result) >= {"versions", "feedback_to_policy_s", "online", "goal", "reference", "served_pairs",
+                           "intervals_note", "differences_last_vs_first"}
     # The gate's settings, as the run's environment gave them, are in the result.
     assert (result["show_gate"]["keep_chars"], result["show_gate"]["kept_by"]) == (0.9, "expected")
     versions = result["versions"]
     assert versions[0]["version"] == 0 and versions[0]["gate_version"] is None and len(versions) >= 2, result
     assert [v["version"] for v in versions] == sorted(v["version"] for v in versions)  # trained versions appeared
     assert result["draws"] == 2 and result["eval_temperature"] == 1.0
-    for v in versions:  # the served policy: 8 tasks, 2 draws each, every figure with its interval
-        assert set(v) >= {"version", "gate_version", *FIGURES, "n", "intervals", "deterministic"} and v["n"] == 16
-        for key in FIGURES:
-            low, high = v["intervals"][key]
-            assert v[key] is None or low <= v[key] <= high
+    for v in versions:  # the served policy: 8 tasks, 2 draws each, every figure with its two intervals
+        assert set(v) >= {"version", "gate_version", *REPORTED, "n", "intervals", "intervals_by_task",
+                          "vs_reference", "deterministic"} and v["n"] == 16
+        for key in REPORTED:
+            for kind in ("intervals", "intervals_by_task"):
+                low, high = v[kind][key]
+                assert v[key] is None or low <= v[key] <= high
+        assert v[KEPT] <= v["accepted_chars_per_request"]
+        # Beside the greedy always-show reference, paired by task over the 8 tasks both hold.
+        assert v["vs_reference"][KEPT]["tasks"] == 8
     reference = result["reference"]  # version 0 greedy, always shown: one completion per task
     assert (reference["version"], reference["decoding"], reference["n"]) == (0, "greedy", 8)
-    assert set(reference["intervals"]) == set(FIGURES)
+    assert set(reference["intervals"]) == set(REPORTED) == set(reference["intervals_by_task"])
+    threshold = reference["threshold_baseline"]  # version 0 greedy under a threshold chosen on 16 train tasks
+    assert threshold["train_tasks"] == 16 and threshold["n"] == 8 and 0 <= threshold["threshold"] <= 1
+    assert threshold["shown"] <= reference["shown"]
+    table = (out / "table.md").read_text()
+    assert "v0 greedy, always shown (reference)" in table and "clustered by task" in table
     assert result["feedback_to_policy_s"] is not None and result["feedback_to_policy_s"] > 0
     assert (out / "loop.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "loop.json").read_text())["versions"] == versions
@@ -110,6 +212,7 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
         if shown:
             assert v["accept_rate_shown"] == round(sum(r["accepted"] for r in shown) / len(shown), 4)
         assert v["reward_mean"] == round(sum(r["reward"] for r in mine) / len(mine), 4)
+        assert v[KEPT] == round(sum(r["kept_chars"] for r in mine) / len(mine), 4)
     # And feedback→policy from the recorded requests.
     requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert feedback_to_policy_s(requests) == result["feedback_to_policy_s"]
@@ -138,7 +241,7 @@ def test_bench_loop_team_runs_one_teams_users_with_lora_updates_and_no_gate(tiny
     assert len(versions) >= 2 and all(v["gate_version"] is None and v["n"] == 12 for v in versions), versions
     assert set(result["goal"]) >= {"accept_rate_rel_change", "accept_rate_up_50pct", "met"}
     rows = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
-    assert {r["policy"] for r in rows} == {"served", "reference"}
+    assert {r["policy"] for r in rows} == {"served", "reference", "reference_threshold"}
     # The team's tasks: the cursor before a string literal, the team's quotes in the rest of the line.
     assert all(not r["reference"].startswith('"') for r in rows)
     requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
@@ -270,3 +373,19 @@ def test_ope_vs_canary_pairs_each_versions_estimate_with_its_canarys_measurement
     assert one["inside"] is True and one["measured"] == 0.35 and one["decision"] == "PROMOTED" and one["ess"] == 50.0
     assert two["inside"] is False and two["decision"] == "ROLLED_BACK"
     assert "measured" not in three and "inside" not in three
+
+
+def test_the_plot_draws_every_reported_figure_with_both_baselines(tmp_path):
+    from tabloop.loop_bench import plot
+
+    def entry(version, gate, scale):
+        values = {k: scale * (i + 1) / 10 for i, k in enumerate(REPORTED)}
+        return {"version": version, "gate_version": gate, **values,
+                "intervals_by_task": {k: [v - 0.05, v + 0.05] for k, v in values.items()}}
+
+    reference = {**entry(0, None, 1.0), "threshold_baseline": entry(0, None, 0.8)}
+    old = {k: v for k, v in entry(2, None, 1.2).items() if k != KEPT}  # a result written before kept characters
+    result = {"versions": [entry(0, None, 1.0), entry(1, 3, 1.1), old], "reference": reference,
+              "online": [{"version": 0, **{k: 0.1 for k in REPORTED}}], "model_label": "m", "minutes": 1.0,
+              "users": 1, "heldout_tasks": 8, "feedback_to_policy_s": None}
+    assert plot(result, tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

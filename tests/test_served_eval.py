@@ -9,9 +9,11 @@ import pytest
 
 from policy.show_gate import FEATURES, Gate
 from streams.rewards import RewardSpec
+from trainer.ope import wilson_interval
 from trainer.proof.evaluate import Draw
-from trainer.proof.served import (Z, figures, gate_decision, mean_interval, paired_difference, relative_change,
-                                  served_rows, wilson)
+from trainer.proof.served import (Z, ConfidenceThreshold, choose_confidence_threshold, figures, gate_decision,
+                                  mean_interval, paired_difference, paired_figures, relative_change, served_rows,
+                                  wilson)
 from trainer.proof.simulate import UserModel
 from trainer.proof.tasks import FimTask
 
@@ -81,16 +83,16 @@ def test_wilson_and_mean_intervals_by_hand():
     assert mean_interval([])["value"] is None
 
 
-def _row(task: int, shown: bool, accepted: bool, chars: int = 0, hidden: bool = False) -> dict:
+def _row(task: int, shown: bool, accepted: bool, chars: int = 0, hidden: bool = False, kept: int | None = None) -> dict:
     reward = 0.75 if accepted else (-0.25 if shown else 0.0)
     return {"task_index": task, "shown": "x" if shown else None, "accepted": accepted, "accepted_chars": chars,
-            "reward": reward, "hidden_by_gate": hidden}
+            "kept_chars": chars if kept is None else kept, "reward": reward, "hidden_by_gate": hidden}
 
 
 def test_figures_count_draws_and_take_the_means_intervals_over_tasks():
-    # task 0: accepted (6 chars) and rejected; task 1: hidden and accepted (2); task 2: rejected twice
-    rows = [_row(0, True, True, 6), _row(0, True, False), _row(1, False, False, hidden=True), _row(1, True, True, 2),
-            _row(2, True, False), _row(2, True, False)]
+    # task 0: accepted (6 chars, 3 of them right) and rejected; task 1: hidden and accepted (2); task 2: rejected twice
+    rows = [_row(0, True, True, 6, kept=3), _row(0, True, False), _row(1, False, False, hidden=True),
+            _row(1, True, True, 2), _row(2, True, False), _row(2, True, False)]
     f = figures(rows)
     assert (f["n"], f["tasks"], f["shown"], f["accepted"], f["hidden_by_gate"]) == (6, 3, 5, 2, 1)
     assert (f["accept_rate_shown"], f["shown_share"]) == (0.4, 0.8333)
@@ -100,6 +102,36 @@ def test_figures_count_draws_and_take_the_means_intervals_over_tasks():
     assert f["intervals"]["accepted_chars_per_request"] == [round(4 / 3 - half, 4), round(4 / 3 + half, 4)]
     assert f["intervals"]["accept_rate_shown"] == [wilson(2, 5)["low"], wilson(2, 5)["high"]]
     assert f["reward_mean"] == round((0.75 - 0.25 + 0 + 0.75 - 0.25 - 0.25) / 6, 4)
+    # Kept: 3 + 2 of the 8 accepted characters; per task means 1.5, 1, 0.
+    assert f["kept_chars_per_request"] == round(5 / 6, 4)
+    assert f["intervals"]["kept_chars_per_request"] == [mean_interval([1.5, 1.0, 0.0])["low"],
+                                                        mean_interval([1.5, 1.0, 0.0])["high"]]
+    # Clustered by task: the means' are the per-task means' (two draws in every task) ...
+    by_task = f["intervals_by_task"]
+    assert set(by_task) == {"accept_rate_shown", "shown_share", "accepted_chars_per_request",
+                            "kept_chars_per_request", "reward_mean"}
+    assert by_task["accepted_chars_per_request"] == f["intervals"]["accepted_chars_per_request"]
+    # ... the accept rate's is Wilson at the effective number of shown: (accepted, shown) per task (1, 2), (1, 1),
+    # (0, 2); R = 0.4; residuals 0.2, 0.6, −0.8: Σ² = 1.04; se² = 3/2 · 1.04 / 25 = 0.0624; n_eff = 0.24 / 0.0624.
+    want = wilson_interval(0.4, 0.24 / 0.0624, Z)
+    assert by_task["accept_rate_shown"] == [round(want.low, 4), round(want.high, 4)]
+    assert by_task["accept_rate_shown"][1] - by_task["accept_rate_shown"][0] > (
+        f["intervals"]["accept_rate_shown"][1] - f["intervals"]["accept_rate_shown"][0])  # wider than over draws
+
+
+def test_paired_figures_difference_every_figure_by_task():
+    before = [_row(0, True, False), _row(1, True, True, 4, kept=2), _row(2, True, True, 2)]
+    after = [_row(0, True, True, 3), _row(0, False, False), _row(1, True, True, 4), _row(2, True, False),
+             _row(2, True, False)]
+    before.append(_row(3, True, True, 9))  # a task only one of them holds: left out
+    d = paired_figures(after, before)
+    # Per request over the three tasks both hold: accepted chars (3 + 4 + 0) / 5 − (0 + 4 + 2) / 3 = 1.4 − 2
+    assert d["accepted_chars_per_request"]["value"] == -0.6 and d["accepted_chars_per_request"]["tasks"] == 3
+    # kept: (3 + 4 + 0) / 5 − (0 + 2 + 2) / 3
+    assert d["kept_chars_per_request"]["value"] == round(1.4 - 4 / 3, 4)
+    # accept rate among shown: after 2 of 4 shown, before 2 of 3
+    assert d["accept_rate_shown"]["value"] == round(2 / 4 - 2 / 3, 4) and d["accept_rate_shown"]["tasks"] == 3
+    assert d["shown_share"]["value"] == round(4 / 5 - 1, 4)
 
 
 def test_paired_difference_is_over_the_tasks_both_hold():
@@ -221,3 +253,27 @@ def test_the_team_loop_runs_one_teams_tasks_with_its_user_and_no_gate(tmp_path):
         LoopBenchConfig(team="tabs")
     with pytest.raises(ValueError, match="draws"):
         LoopBenchConfig(draws=0)
+
+
+def test_the_confidence_threshold_baseline_reads_the_mean_token_probability():
+    """Issue 41, item 6: a plain server's show rule, its threshold chosen by the show-gate's rule on train rows."""
+    from policy.show_gate import line_features
+
+    rule = ConfidenceThreshold(0.5)
+    # Mean log-probability of ln 0.8 and ln 0.5: the geometric mean √0.4 = 0.632 ≥ 0.5: shown.
+    assert rule.score(line_features("x = 1", [math.log(0.8), math.log(0.5)])) == pytest.approx(math.sqrt(0.4))
+    assert gate_decision(rule, "x = 1", [math.log(0.8), math.log(0.5)]) == (True, pytest.approx(math.sqrt(0.4)), 1.0)
+    assert gate_decision(rule, "x = 1", [math.log(0.3)])[0] is False
+    tasks = _tasks() + [FimTask("c", "z = ", "\nrest()\n", "third(3)")]
+    # Train rows: a sure right line (p 0.9, 10 chars accepted), an unsure wrong one (p 0.2), an unsure right one
+    # (p 0.4, 8 chars), an empty one (never shown, whatever its score).
+    draws = [Draw(0, 0, "compute(1)", "compute(1)", (math.log(0.9),)),
+             Draw(1, 0, "wrong(2)", "wrong(2)", (math.log(0.2),)),
+             Draw(2, 0, "third(3)", "third(3)", (math.log(0.4),)), Draw(0, 1, "", "", (math.log(0.01),))]
+    rows = served_rows(tasks, draws, None, UserModel("exact"), RewardSpec(), explore=False)
+    assert [r["accepted_chars"] for r in rows] == [10, 0, 8, 0]
+    # Keeping 95 % of the 18 accepted characters allows losing 0.9: hiding the p 0.2 line loses 0, the p 0.4 line 8.
+    assert choose_confidence_threshold(rows, draws, keep=0.95) == pytest.approx(0.4)
+    # Keeping 50 % allows losing 9: the 8-character line goes too.
+    assert choose_confidence_threshold(rows, draws, keep=0.5) == pytest.approx(0.9)
+    assert choose_confidence_threshold(rows[1:2], draws[1:2], keep=0.95) == 0.0  # nothing accepted: show all

@@ -17,7 +17,7 @@ from infra.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ThreadServer, find_events, unique
 from trainer.proof.simulate import (CONTINUE_STOPS, EVENT_SOURCES, SimConfig, UserModel, api_payload, completion_body,
-                              data_event, fork_payload, sandbox_passes, simulate)
+                              data_event, decision_rows, fork_payload, sandbox_passes, simulate, summary_rate)
 from trainer.proof.tasks import FimTask, build_source_tasks, humaneval_tasks
 
 TASK = FimTask("t", prefix="def area(w, h):\n    return w", suffix="\n\nprint(area(1, 2))\n", middle=" * h",
@@ -93,26 +93,69 @@ def test_completion_body_is_continues():
     assert "<|endoftext|>" in body["stop"] and "\n\n" in body["stop"]
 
 
+def test_kept_characters_count_what_agrees_with_the_true_code():
+    """Issue 41, item 4: of an accepted suggestion, the user keeps its common prefix with the true continuation."""
+    import doctest
+
+    from trainer.proof import simulate as sim
+    from trainer.proof.simulate import kept_characters, kept_chars_of, true_continuations
+
+    assert doctest.DocTestRunner().run(doctest.DocTestFinder().find(sim.kept_characters)[0]).failed == 0
+    assert kept_characters("compute(1)", "compute(1)") == 10
+    assert kept_characters("compute(2)", "compute(1)") == 8  # "compute(": half-right, not whole
+    assert kept_characters("compute(1) + 1", "compute(1)") == 10  # written past the truth: not kept
+    assert kept_characters("xompute(1)", "compute(1)") == 0  # a later match after a wrong start counts nothing
+    # Single-line mode (the cursor after text): the truth is the rest of the true line, whatever follows.
+    one = FimTask("a", "x = com", "\nrest()\n", "pute(1)\ny = 2")
+    assert true_continuations(one, single_line=True) == ("pute(1)",)
+    assert kept_chars_of(one, "pute(2)", True) == 5 and kept_chars_of(one, "pute(1)", True) == 7
+    assert kept_chars_of(one, "pute(1)", False) == 0 and kept_chars_of(one, None, False) == 0  # rejected, not shown
+    # Multi-line mode (the cursor at a line's start): the whole middle, not the suffix already in the file.
+    block = FimTask("b", "def f(x):\n    ", "\n\nprint(f(1))\n", "y = x + 1\n    return y")
+    assert not single_line_mode(block.prefix)
+    assert kept_chars_of(block, "y = x + 1\n    return y", True) == 22  # all of it
+    assert kept_chars_of(block, "y = x + 1\n    return x", True) == 21  # the last character is wrong
+    assert kept_chars_of(block, "y = x + 1\n    return y\n\nprint(f(1))", True) == 22  # the suffix again: not kept
+    # Several right answers (HumanEval's solutions): the longest agreement.
+    many = FimTask("c", "x = ", "\n", "a + b", solutions=("a + b", "b + a"))
+    assert kept_chars_of(many, "b + c", True) == 4
+
+
+def test_decision_rows_count_kept_beside_accepted_characters():
+    from streams.rewards import RewardSpec
+
+    tasks = [FimTask("a", "x = ", "\n", "compute(1)"), FimTask("b", "y = ", "\n", "other(2)"),
+             FimTask("c", "z = ", "\n", "third(3)")]
+    # The similarity user takes a half-right line; exact would not.
+    rows = decision_rows(tasks, ["compute(2)", "other(2)", "zzz"], UserModel("similarity", 0.8), RewardSpec())
+    assert [r["accepted"] for r in rows] == [True, True, False]
+    assert [r["accepted_chars"] for r in rows] == [10, 8, 0] and [r["kept_chars"] for r in rows] == [8, 8, 0]
+
+
 def test_summary_by_hand():
     from trainer.proof.simulate import RequestRecord, SimReport
 
-    def rec(shown, accepted, version, error=None):
+    def rec(shown, accepted, version, error=None, kept=None):
         return RequestRecord(user=0, task_id="t", route="api", completion_id="c", prompt_sha256="s",
                              with_context=False, shown=shown, accepted=accepted,
-                             accepted_chars=len(shown) if accepted else 0, policy_version=version, error=error,
-                             feedback_event_id="e" if shown else None)
+                             accepted_chars=len(shown) if accepted else 0,
+                             kept_chars=(len(shown) if accepted else 0) if kept is None else kept,
+                             policy_version=version, error=error, feedback_event_id="e" if shown else None)
 
-    report = SimReport(records=[rec("abcd", True, 0), rec("xy", False, 0), rec(None, False, 0),
+    report = SimReport(records=[rec("abcd", True, 0, kept=1), rec("xy", False, 0), rec(None, False, 0),
                                 rec("abcdef", True, 1), rec(None, False, 1), rec(None, False, None, error="boom")],
                        abandoned=2, errors=1)
     s = report.summary()
     assert (s["requests"], s["completed"], s["shown"], s["accepted"], s["errors"]) == (8, 5, 3, 2, 1)
     assert s["accept_rate_shown"] == pytest.approx(2 / 3, abs=1e-4) and s["shown_share"] == 0.6
     assert s["accepted_chars_per_request"] == 2.0  # (4 + 6) / 5
+    assert s["kept_chars_per_request"] == 1.4  # (1 + 6) / 5
+    assert "2.00 accepted chars/request, 1.40 kept" in summary_rate(s)
     v = report.by_version()
     assert set(v) == {0, 1}
     assert (v[0]["completed"], v[0]["shown"], v[0]["accept_rate_shown"], v[0]["shown_share"]) == (3, 2, 0.5, 0.6667)
     assert (v[1]["accepted_chars_per_request"], v[1]["shown_share"]) == (3.0, 0.5)
+    assert (v[0]["kept_chars_per_request"], v[1]["kept_chars_per_request"]) == (0.3333, 3.0)
 
 
 def test_bad_configs_are_named():
@@ -154,6 +197,12 @@ def test_simulated_users_feedback_lands_on_kafka_as_reported(kafka, tiny_model, 
                      ("feedback", 202): len(reported)}
     assert all(c.started_at <= c.ended_at for c in report.calls)
     assert all(r.feedback_status == 202 for r in reported.values())
+    # Each record's kept characters are its shown text's agreement with its task's true continuation.
+    from trainer.proof.simulate import kept_chars_of
+
+    by_id = {t.task_id: t for t in tasks}
+    assert all(r.kept_chars == kept_chars_of(by_id[r.task_id], r.shown, r.accepted) <= r.accepted_chars
+               for r in report.records)
 
     events = find_events(settings, FEEDBACK.name, lambda e: e.record["project_id"] == project, want=len(reported))
     assert sorted(e.event_id for e in events) == sorted(reported)  # every report, once, and nothing else

@@ -139,7 +139,10 @@ def markdown_table(rows: Sequence[tuple[str, dict]]) -> str:
                ("pass_at_1", "pass@1"), ("judge_score", "judge"), ("empty_share", "empty")]
     if any("shown_share" in summary for _, summary in rows):
         columns += [("shown_share", "shown"), ("accept_rate_shown", "accepted/shown"),
-                    ("accepted_chars_per_request", "acc. chars/req"), ("reward_mean", "reward")]
+                    ("accepted_chars_per_request", "acc. chars/req")]
+        if any("kept_chars_per_request" in summary for _, summary in rows):
+            columns.append(("kept_chars_per_request", "kept chars/req"))
+        columns.append(("reward_mean", "reward"))
     head = "| run | " + " | ".join(title for _, title in columns) + " |"
     rule = "|---|" + "|".join("---:" for _ in columns) + "|"
     lines = [head, rule]

@@ -16,7 +16,8 @@
   pass@1 (the task's tests in the sandbox), ``judge`` the LLM judge's 0–10 score,
   ``user`` what a simulated user (``--rule``, ``--threshold``) makes of the
   suggestions: accept rate among shown, share shown, accepted characters per
-  request and mean reward — the figures of ``tabloop bench loop``.
+  request, kept characters per request (of what was accepted, what agrees with
+  the true code) and mean reward — the figures of ``tabloop bench loop``.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ class Draw:
     """The first line of the generated text (cut at the first stop string): the line the door holds and scores."""
     line_logprobs: tuple[float, ...]
     """Behaviour log-probabilities (``policy.sampling.sampling_log_probs`` at the sampling temperature and
-    top-p, as the door logs them) of the tokens whose text ends within ``line``, plus the one that ended it."""
+    top-p, as the door logs them; at ``sample_draws``' ``gate_temperature`` when given) of the tokens whose
+    text ends within ``line``, plus the one that ended it."""
     line_token_ids: tuple[int, ...] = ()
     """Those tokens' ids."""
 
@@ -151,14 +153,16 @@ class Draw:
 @torch.no_grad()
 def sample_draws(model, tokenizer, tasks: Sequence[FimTask], *, draws: int = 1, max_new_tokens: int = 48,
                  temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, max_prompt_tokens: int = 2048,
-                 seed: int = 0, with_context: bool = False,
+                 seed: int = 0, with_context: bool = False, gate_temperature: float | None = None,
                  progress: Callable[[int], None] | None = None) -> list[Draw]:
     """``draws`` completions per task (draw-major: every task's draw 0, then draw 1 …), each with the first
     line and its tokens' behaviour log-probabilities, sampled as the front door's engine serves them.
 
     Sampling is transformers' (softmax(z / T), nucleus ``top_p``); the log-probabilities are recomputed from
     the raw logits with ``sampling_log_probs``, the door's definition (at top-p 1, what the simulated users
-    send, the two distributions are the same)."""
+    send, the two distributions are the same). ``gate_temperature``: the line's log-probabilities are taken
+    at that temperature instead, as the door computes its show-gate's figures (``default_temperature``, the
+    exploration temperature, whatever the request was drawn at: greedy draws' own are all 0)."""
     from policy.sampling import sampling_log_probs
 
     fmt = prompt_format(tokenizer)  # the served model's prompt format, as the front door renders it
@@ -188,7 +192,8 @@ def sample_draws(model, tokenizer, tasks: Sequence[FimTask], *, draws: int = 1, 
                 pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
                 stopping_criteria=StoppingCriteriaList([stop]), output_logits=True, return_dict_in_generate=True)
             new = generated.sequences[:, width:]
-            logprobs = torch.stack([sampling_log_probs(step, temperature, top_p) for step in generated.logits], 1)
+            scale = temperature if gate_temperature is None else gate_temperature
+            logprobs = torch.stack([sampling_log_probs(step, scale, top_p) for step in generated.logits], 1)
             chosen = logprobs.gather(-1, new[:, :logprobs.shape[1], None]).squeeze(-1)
             for row_index, ((i, t), row) in enumerate(zip(batch, new)):
                 ids = row.tolist()
@@ -301,10 +306,15 @@ def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact
 def user_summary(tasks: Sequence[FimTask], completions: Sequence[str], user_model: UserModel,
                  reward_spec: RewardSpec) -> dict:
     """The ``user`` scorer's figures: a simulated user's decisions on the completions
-    (``trainer.metrics.user_figures``; ``n`` is the summary's already)."""
-    figures = user_figures(decision_rows(tasks, completions, user_model, reward_spec))
+    (``trainer.metrics.user_figures``; ``n`` is the summary's already), and beside the accepted characters
+    per request the kept ones (``trainer.proof.simulate.kept_characters``: of an accepted suggestion, the
+    characters that agree with the task's true continuation)."""
+    rows = decision_rows(tasks, completions, user_model, reward_spec)
+    figures = user_figures(rows)
     del figures["n"]
-    return {**figures, "user_rule": user_model.rule, "user_threshold": user_model.threshold}
+    kept = round(sum(r["kept_chars"] for r in rows) / len(rows), 4) if rows else None
+    return {**figures, "kept_chars_per_request": kept, "user_rule": user_model.rule,
+            "user_threshold": user_model.threshold}
 
 
 def scored_jsonl(scored: Sequence[Scored]) -> str:

@@ -11,22 +11,27 @@ on the same samples:
   and the draw (the same coin for every gate: two gates differ by their decisions, not by luck);
 * ``explore=False``: the gate's own decision (ε = 0).
 
-A line that is empty or whitespace is shown as nothing, gate or not.
+A line that is empty or whitespace is shown as nothing, gate or not. A plain server's rule can stand where a
+gate does (``ConfidenceThreshold``: the model's mean token probability on the line against a threshold chosen
+on train tasks), the baseline a learned gate has to beat.
 
-Intervals (two-sided, ``LEVEL``): Wilson's for the two rates; for accepted characters per request, a normal
-interval over tasks of each task's mean over its draws (the draws of one task are not independent of each
-other, the tasks are); a difference between two policies on the same tasks is paired by task.
+Intervals (two-sided, ``LEVEL``), two kinds side by side:
+
+* ``intervals`` (the first ones, kept for what reads them): Wilson's for the two rates, counting every draw as
+  a trial; for the means, a normal interval over tasks of each task's mean over its draws;
+* ``intervals_by_task``: every figure clustered by task (``trainer.proof.intervals``: the draws of one task
+  are not independent of each other, the tasks are), the ones to read; a difference between two policies on
+  the same tasks is paired by task (``paired_figures``).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 from typing import Sequence
 
-LEVEL = 0.9
-Z = 1.6448536269514722
-"""The standard normal quantile of a two-sided 90 % interval."""
+from trainer.proof.intervals import LEVEL, Z  # noqa: F401  (the bench reads LEVEL from here)
 
 
 def gate_decision(gate, line: str, logprobs: Sequence[float], rng: random.Random | None = None
@@ -98,24 +103,60 @@ def per_task_means(rows: Sequence[dict], key: str) -> dict[int, float]:
     return {t: sum(xs) / len(xs) for t, xs in sums.items()}
 
 
+RATIOS = {
+    "accept_rate_shown": (lambda r: bool(r["accepted"]), lambda r: r["shown"] is not None, True),
+    "shown_share": (lambda r: r["shown"] is not None, lambda r: 1, True),
+    "accepted_chars_per_request": (lambda r: r["accepted_chars"], lambda r: 1, False),
+    "kept_chars_per_request": (lambda r: r["kept_chars"], lambda r: 1, False),
+    "reward_mean": (lambda r: r["reward"], lambda r: 1, False),
+}
+"""Each figure as a ratio of sums over requests (``trainer.proof.intervals``): figure → (Y of a row, X of a
+row, whether it is a rate)."""
+
+
+def figures_by_task(rows: Sequence[dict], z: float = Z) -> dict[str, dict]:
+    """Every figure of ``RATIOS`` with its interval clustered by task (``clustered_interval``)."""
+    from trainer.proof.intervals import clustered_interval, task_sums
+
+    return {name: clustered_interval(list(task_sums(rows, y, x).values()), z, rate=rate)
+            for name, (y, x, rate) in RATIOS.items()}
+
+
+def paired_figures(after: Sequence[dict], before: Sequence[dict], z: float = Z) -> dict[str, dict]:
+    """``after`` − ``before`` of every figure of ``RATIOS``, over the tasks both hold, each with its interval
+    paired by task (``paired_interval``): two policies on the same held-out tasks."""
+    from trainer.proof.intervals import paired_interval, task_sums
+
+    return {name: paired_interval(task_sums(after, y, x), task_sums(before, y, x), z)
+            for name, (y, x, _) in RATIOS.items()}
+
+
 def figures(rows: Sequence[dict], z: float = Z) -> dict:
     """The bench's figures of a set of rows, each with its interval: ``accept_rate_shown`` (accepted / shown),
-    ``shown_share`` (shown / requests), ``accepted_chars_per_request`` and ``reward_mean`` (intervals over
-    tasks), counts ``n``, ``shown``, ``accepted``, ``hidden_by_gate``, ``tasks``."""
+    ``shown_share`` (shown / requests), ``accepted_chars_per_request``, ``kept_chars_per_request`` (of the
+    accepted characters, those that agree with the true code: ``trainer.proof.simulate.kept_characters``) and
+    ``reward_mean``; counts ``n``, ``shown``, ``accepted``, ``hidden_by_gate``, ``tasks``. ``intervals``: the
+    first kind (Wilson over draws for rates, normal over per-task means for the rest); ``intervals_by_task``:
+    every figure clustered by task (the module docstring)."""
     n = len(rows)
     shown = sum(r["shown"] is not None for r in rows)
     accepted = sum(bool(r["accepted"]) for r in rows)
     rate, share = wilson(accepted, shown, z), wilson(shown, n, z)
     chars = mean_interval(list(per_task_means(rows, "accepted_chars").values()), z)
+    kept = mean_interval(list(per_task_means(rows, "kept_chars").values()), z)
     reward = mean_interval(list(per_task_means(rows, "reward").values()), z)
+    by_task = figures_by_task(rows, z)
     return {"n": n, "tasks": len({r["task_index"] for r in rows}), "shown": shown, "accepted": accepted,
             "hidden_by_gate": sum(bool(r.get("hidden_by_gate")) for r in rows),
             "accept_rate_shown": rate["value"], "shown_share": share["value"],
             "accepted_chars_per_request": None if n == 0 else round(sum(r["accepted_chars"] for r in rows) / n, 4),
+            "kept_chars_per_request": None if n == 0 else round(sum(r["kept_chars"] for r in rows) / n, 4),
             "reward_mean": None if n == 0 else round(sum(r["reward"] for r in rows) / n, 4),
             "intervals": {"accept_rate_shown": [rate["low"], rate["high"]], "shown_share": [share["low"], share["high"]],
                           "accepted_chars_per_request": [chars["low"], chars["high"]],
-                          "reward_mean": [reward["low"], reward["high"]]}}
+                          "kept_chars_per_request": [kept["low"], kept["high"]],
+                          "reward_mean": [reward["low"], reward["high"]]},
+            "intervals_by_task": {k: [v["low"], v["high"]] for k, v in by_task.items()}}
 
 
 def paired_difference(after: Sequence[dict], before: Sequence[dict], key: str, z: float = Z) -> dict:
@@ -129,3 +170,33 @@ def paired_difference(after: Sequence[dict], before: Sequence[dict], key: str, z
 def relative_change(after: float | None, before: float | None) -> float | None:
     return None if after is None or before is None or before == 0 else round(after / before - 1, 4)
 
+
+
+@dataclass(frozen=True)
+class ConfidenceThreshold:
+    """A plain server's show rule, no learning: show a line when the model's mean token probability on it,
+    exp(mean log-probability of its tokens and the one that ended it; ``policy.show_gate.line_features``),
+    reaches ``threshold``. Duck-types the part of ``policy.show_gate.Gate`` that ``gate_decision`` uses
+    without exploration (``score``, ``threshold``); the log-probabilities are the model's own (temperature 1)."""
+
+    threshold: float
+
+    @staticmethod
+    def score(features: Sequence[float]) -> float:
+        from policy.show_gate import FEATURES
+
+        return math.exp(features[FEATURES.index("mean_logprob")])
+
+
+def choose_confidence_threshold(rows: Sequence[dict], draws: Sequence, keep: float) -> float:
+    """The threshold of ``ConfidenceThreshold`` chosen on decided rows (``served_rows`` of ``draws`` with no
+    gate, on train tasks) by the show-gate's own rule (``policy.show_gate.choose_threshold``): the highest
+    that keeps at least ``keep`` of the characters users accepted of what was shown. 0.0 (show every line)
+    when nothing was accepted. Only shown lines count: an empty one is never shown, whatever its score."""
+    from policy.show_gate import choose_threshold, line_features
+
+    picked = [(ConfidenceThreshold.score(line_features(d.line, d.line_logprobs)), r["accepted_chars"])
+              for r, d in zip(rows, draws) if r["shown"] is not None]
+    if not picked:
+        return 0.0
+    return choose_threshold([s for s, _ in picked], [c for _, c in picked], [1.0] * len(picked), keep=keep)

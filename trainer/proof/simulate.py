@@ -17,7 +17,11 @@ Each simulated user behaves like the Continue extension talking to
   its feedback route: the fork's ``/api/training/submit``, stock Continue's
   ``data:`` destination (``/api/continue/events``), or our ``/v1/feedback``.
 
-The decision rules (``UserModel``) and the payload builders are pure
+Beside the characters a user accepts it counts those it keeps (``kept_characters``): of an accepted
+suggestion, the part that agrees with the code that truly follows the cursor, so a half-right line accepted
+in full counts half.
+
+The decision rules (``UserModel``), what is kept and the payload builders are pure
 functions; ``simulate`` is the I/O.
 """
 
@@ -84,6 +88,54 @@ class UserModel:
         return edit_similarity(got, want) >= self.threshold
 
 
+def kept_characters(completion: str, truth: str) -> int:
+    r"""How many characters of an accepted ``completion`` the user keeps: the length of its longest common
+    prefix with ``truth``, the code that truly follows the cursor (``true_continuations``).
+
+    A user who presses Tab takes the whole suggestion, then edits what is wrong; the characters up to the
+    first one that differs from the true code are what stays (a character may match again later, but once
+    the text has gone wrong what follows is retyped, not kept). So a half-right line accepted in full counts
+    half, where accepted characters count it whole:
+
+    >>> kept_characters("compute(2)", "compute(1)")
+    8
+    >>> kept_characters("return x\n    y = 2", "return x\n    z = 3\n")
+    13
+    >>> kept_characters("", "x"), kept_characters("abc", "")
+    (0, 0)
+
+    Never more than ``len(completion)`` nor ``len(truth)``: text written past the true continuation (the
+    suffix that is already in the file, repeated) is not kept.
+    """
+    n = 0
+    for a, b in zip(completion, truth):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def true_continuations(task: FimTask, *, single_line: bool) -> tuple[str, ...]:
+    """What truly follows the cursor, for ``kept_characters``: in single-line mode (Continue shows one line)
+    the rest of the true line (``task.true_line_rest``); otherwise the task's whole middle, all its lines.
+    Not the suffix: it is already in the editor after the cursor, so a suggestion that writes it out again
+    keeps nothing by doing so. (A one-line suggestion's common prefix with the middle ends at the middle's
+    first newline anyway; the two cases differ only in what a multi-line suggestion is compared with.)
+
+    One per right answer: the middle first, then the task's other ``solutions`` (HumanEval's), cut alike."""
+    answers = dict.fromkeys((task.middle, *task.solutions))
+    return tuple(first_line(a) if single_line else a for a in answers)
+
+
+def kept_chars_of(task: FimTask, shown: str | None, accepted: bool) -> int:
+    """The kept characters of one request: 0 unless the user accepted what was shown; else the longest common
+    prefix of what was shown with a true continuation (``kept_characters``, ``true_continuations``)."""
+    if shown is None or not accepted:
+        return 0
+    return max(kept_characters(shown, truth)
+               for truth in true_continuations(task, single_line=single_line_mode(task.prefix)))
+
+
 def outcome_of(shown: str | None, accepted: bool) -> str:
     """What a request's suggestion came to: nothing shown is IGNORED (the user decided nothing)."""
     return "IGNORED" if shown is None else ("ACCEPTED" if accepted else "REJECTED")
@@ -91,8 +143,9 @@ def outcome_of(shown: str | None, accepted: bool) -> str:
 
 def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: UserModel, spec) -> list[dict]:
     """One row per completion: what the editor shows, whether ``user`` takes it, the outcome and its reward
-    under ``spec`` (a ``streams.rewards.RewardSpec``). The same rows score the held-out tasks of
-    ``tabloop bench loop``, ``tabloop eval --scorer user`` and the offline trainer's user scorer; the
+    under ``spec`` (a ``streams.rewards.RewardSpec``), the accepted characters (all of what was shown, when
+    taken) and the kept ones (``kept_chars_of``: of those, the ones that are right). The same rows score the
+    held-out tasks of ``tabloop bench loop``, ``tabloop eval --scorer user`` and the offline trainer's user scorer; the
     ``tests`` rule runs the file in the sandbox, as the simulated users do."""
     from streams.rewards import acceptance_reward
 
@@ -104,7 +157,8 @@ def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: Us
         accepted = shown is not None and user.accepts(task, shown, run_tests=sandbox_passes)
         outcome = outcome_of(shown, accepted)
         rows.append({"task_id": task.task_id, "completion": completion, "shown": shown, "accepted": accepted,
-                     "accepted_chars": len(shown) if accepted else 0, "outcome": outcome,
+                     "accepted_chars": len(shown) if accepted else 0,
+                     "kept_chars": kept_chars_of(task, shown, accepted), "outcome": outcome,
                      "reward": acceptance_reward(spec, outcome), "reference": task.middle})
     return rows
 
@@ -215,6 +269,9 @@ class RequestRecord:
     shown: str | None = None
     accepted: bool = False
     accepted_chars: int = 0
+    kept_chars: int = 0
+    """Of the accepted characters, those the user keeps (``kept_chars_of``: the common prefix with the task's
+    true continuation); 0 when not accepted."""
     feedback_event_id: str | None = None
     policy_version: int | None = None
     gate_version: int | None = None
@@ -274,6 +331,7 @@ class SimReport:
             "feedback_sent": sum(1 for r in shown if r.feedback_event_id), "feedback_errors": self.feedback_errors,
             "accept_rate_shown": _ratio(len(accepted), len(shown)), "shown_share": _ratio(len(shown), len(done)),
             "accepted_chars_per_request": _ratio(sum(r.accepted_chars for r in accepted), len(done)),
+            "kept_chars_per_request": _ratio(sum(r.kept_chars for r in accepted), len(done)),
             "latency_p50_ms": _pct(lat, 0.5), "latency_p95_ms": _pct(lat, 0.95), "ttft_p50_ms": _pct(ttft, 0.5),
             "policy_versions": sorted({r.policy_version for r in done if r.policy_version is not None}),
             "wall_s": round(self.wall_s, 2),
@@ -407,6 +465,7 @@ class Simulation:
             else:
                 record.accepted = self.user_model.accepts(task, record.shown)
             record.accepted_chars = len(record.shown) if record.accepted else 0
+            record.kept_chars = kept_chars_of(task, record.shown, record.accepted)
             decision_ms = rng.randint(250, 1500) if record.accepted else rng.randint(600, 10_000)
             if c.think_s:
                 await asyncio.sleep(c.think_s)
@@ -516,5 +575,6 @@ def summary_rate(summary: dict) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"
     return (f"{summary['completed']} completions ({summary['abandoned']} abandoned, {summary['errors']} errors): "
             f"shown {pct(summary['shown_share'])}, accepted {pct(summary['accept_rate_shown'])} of shown, "
-            f"{summary['accepted_chars_per_request'] or 0:.2f} accepted chars/request")
+            f"{summary['accepted_chars_per_request'] or 0:.2f} accepted chars/request, "
+            f"{summary.get('kept_chars_per_request') or 0:.2f} kept")
 
