@@ -14,6 +14,7 @@ print('\n'.join(d['dependencies']))" > /tmp/requirements.txt \
 
 COPY schemas ./schemas
 COPY policy ./policy
+COPY rewards ./rewards
 COPY serving ./serving
 COPY streams ./streams
 COPY trainer ./trainer

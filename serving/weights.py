@@ -188,7 +188,7 @@ class WeightWatcher:
         """A local path for ``uri``: weight stores at fsspec URIs are fetched into the cache first."""
         if not uri or "://" not in uri or uri.startswith("file://"):
             return uri
-        from trainer.weight_store import local_path_of
+        from policy.weight_store import local_path_of
 
         cache = self.settings.state_dir / "weights-cache"
         cache.mkdir(parents=True, exist_ok=True)

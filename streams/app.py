@@ -40,8 +40,8 @@ from schemas.topics import (CATALOG, COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK
                             home_partition)
 from streams.clock import PartitionClock
 from streams.join import REUSE_MARK, EpisodeJoiner, JoinConfig, PromptMatcher, millis, reuse_key
-from streams.rewards import RewardSpecs
-from streams.scoring import Scorers, rescored
+from rewards.spec import RewardSpecs
+from rewards.scoring import Scorers, rescored
 from streams.upstream import ChangelogWrites, StreamsApp, TransactionalTable, dead_producers, send_raw
 
 log = logging.getLogger("tabloop.streams")

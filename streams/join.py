@@ -36,7 +36,7 @@ from schemas.events import Event, new_event
 from schemas.token_ids import PACKED, packed_field
 from policy.fim import parse_prompt
 from policy.shown import first_line, kept_token_count, shown_line, single_line_mode
-from streams.rewards import RewardSpecs, acceptance_reward, composite_reward
+from rewards.spec import RewardSpecs, acceptance_reward, composite_reward
 
 GATE_FIELDS = ("gate_version", "gate_score", "gate_threshold", "gate_shown", "show_probability")
 """What the show-gate decided about a completion, carried from CompletionServed to its Episode."""
@@ -432,7 +432,7 @@ def _ends_of(completion: dict | None, kept: int) -> list[int]:
 def served_cursor(completion: dict | None, prompt: str) -> dict:
     """Episode.prefix/suffix: the cursor as the client sent it, where the served prompt does not hold it (a
     model without FIM tokens is served the prefix alone). A FIM prompt holds both, and the scorers parse them
-    from it (``streams.scoring.episode_cursor``): not stored twice. Unmatched feedback knows no cursor."""
+    from it (``rewards.scoring.episode_cursor``): not stored twice. Unmatched feedback knows no cursor."""
     if completion is None or parse_prompt(prompt).is_fim:
         return {}
     return {"prefix": completion.get("prefix"), "suffix": completion.get("suffix")}

@@ -486,10 +486,10 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
     from infra.bus import ensure_topics, read_topic
     from infra.kafka_broker import LocalKafka
     from schemas.topics import EPISODES
-    from streams.rewards import RewardSpecs
+    from rewards.spec import RewardSpecs
     from schemas.topics import GATES
     from trainer.proof.simulate import SimConfig, Simulation, records_jsonl
-    from trainer.weight_store import read_weight_records
+    from policy.weight_store import read_weight_records
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -818,7 +818,7 @@ def _published(weight_records: Sequence[dict], base_model: str) -> dict[int, flo
 
 def _online_rewards(records: Sequence[dict], spec) -> dict[int, float]:
     """Mean reward of the requests each version served (the users' outcomes; nothing shown: ignored)."""
-    from streams.rewards import acceptance_reward
+    from rewards.spec import acceptance_reward
     from trainer.proof.simulate import outcome_of
 
     sums: dict[int, list[float]] = {}

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from infra.settings import Settings
-from streams.rewards import RewardSpec, acceptance_reward
+from rewards.spec import RewardSpec, acceptance_reward
 from trainer.losses import BaselineState, baseline_advantages
 from trainer.policy import PolicyTrainer, Sample, UpdateConfig, sample_completions
 

@@ -68,7 +68,7 @@ def test_tests_scorer_gives_pass_at_1(tiny):
 
 
 def test_judge_scorer_asks_an_openai_compatible_judge(tiny):
-    from streams.judge import JudgeConfig
+    from rewards.judge import JudgeConfig
 
     model, tok = tiny
     api = FakeJudgeAPI()

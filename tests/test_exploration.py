@@ -249,7 +249,7 @@ def train_one_version(kafka, tiny_model, tmp_path, episodes: list, *, batch: int
     from confluent_kafka.admin import NewTopic
 
     from trainer.online import OnlineTrainer
-    from trainer.weight_store import WeightStore
+    from policy.weight_store import WeightStore
 
     base = str(tmp_path / "base")  # a base of its own: the weights topic is the session's
     shutil.copytree(tiny_model, base)

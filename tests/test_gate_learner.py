@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from policy.show_gate import FEATURES, Decided, Gate, line_features, serving_gate_record
 from schemas.events import new_event
-from streams.rewards import RewardSpec, RewardSpecs
+from rewards.spec import RewardSpec, RewardSpecs
 from tests.conftest import make_settings
 from trainer.episodes import drop_reason
 from trainer.show_gate import (GateLearner, decided_from_episode, estimate_show_rule, evaluate_candidate,

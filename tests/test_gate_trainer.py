@@ -70,7 +70,7 @@ def test_the_gate_lets_out_only_a_version_the_held_out_log_favours(setup, held_o
     m = record["metrics"]
     # The held-out episodes were kept out of training and counted as such in the manifest. The gate judged on
     # those and on any the head feed brought beyond the trainer's read position (trainer/head_feed.py).
-    from trainer.weight_store import WeightStore
+    from policy.weight_store import WeightStore
 
     manifest = WeightStore(settings.effective_weight_store, base).manifest(1)
     assert 10 <= manifest.episodes_dropped["gate_holdout"] <= m["ope_held_out"] <= held

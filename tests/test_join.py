@@ -8,7 +8,7 @@ import pytest
 
 from policy.fim import build_fim_prompt
 from streams.join import JoinConfig, JoinPipeline
-from streams.rewards import RewardSpec, RewardSpecs
+from rewards.spec import RewardSpec, RewardSpecs
 
 T0 = 1_800_000_000_000
 

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from streams.judge import (JudgeClient, JudgeConfig, JudgeParseError, JudgeResult, build_judge_messages, cache_key,
+from rewards.judge import (JudgeClient, JudgeConfig, JudgeParseError, JudgeResult, build_judge_messages, cache_key,
                            parse_score, retry_after_s)
 from tests.system_helpers import poll
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from streams.rewards import RewardSpec
+from rewards.spec import RewardSpec
 from tabloop.loop_bench import FIGURES, KEPT, REPORTED, feedback_to_policy_s, goal, heldout_rows
 from trainer.metrics import user_figures
 from trainer.proof.simulate import UserModel

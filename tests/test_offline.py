@@ -102,7 +102,7 @@ def test_exact_scorer_rewards_what_the_editor_would_show():
 
 def test_tests_and_judge_scorers_as_rewards():
     """tests: the task's tests in the sandbox decide 1/0; judge: its 0–10 score / 10, an error stays None."""
-    from streams.judge import JudgeConfig
+    from rewards.judge import JudgeConfig
     from tests.test_judge import FakeJudgeAPI, Reply
 
     task = FimTask("add", "def add(a, b):\n    return ", "\n", "a + b", test="assert add(2, 3) == 5")
@@ -118,7 +118,7 @@ def test_tests_and_judge_scorers_as_rewards():
 
 def test_user_scorer_rewards_the_users_decision_as_the_online_trainer_would():
     """Accepted, rejected, nothing shown → the reward spec's accepted, rejected, ignored (Cursor's by default)."""
-    from streams.rewards import RewardSpec
+    from rewards.spec import RewardSpec
     from trainer.proof.simulate import UserModel
 
     line = FimTask("a", "x = ", "\n", "compute(1)")
@@ -220,7 +220,7 @@ FAST = ["--group-size", "6", "--prompts-per-update", "2", "--max-new-tokens", "1
 
 def test_train_offline_writes_a_version_with_its_manifest(tiny_model, tmp_path):
     from policy.models import load_model
-    from trainer.weight_store import WeightStore
+    from policy.weight_store import WeightStore
 
     data, held = tmp_path / "tasks.jsonl", tmp_path / "held.jsonl"
     tasks = _learnable_tasks(tiny_model)
@@ -306,7 +306,7 @@ def test_train_offline_publishes_the_version(kafka, tiny_model, tmp_path):
     import shutil
 
     from tests.conftest import make_settings
-    from trainer.weight_store import read_weight_records
+    from policy.weight_store import read_weight_records
 
     base = str(tmp_path / "base")
     shutil.copytree(tiny_model, base)  # a base model of its own: the weights topic outlives this test

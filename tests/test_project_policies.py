@@ -177,7 +177,7 @@ def test_front_door_routes_projects_and_the_weights_commands_act_per_project(kaf
     from tests.conftest import make_settings
     from tests.serving_helpers import ThreadServer, find_events
     from tests.system_helpers import wait
-    from trainer.weight_store import WeightStore
+    from policy.weight_store import WeightStore
 
     base = str(tmp_path / "base")
     shutil.copytree(tiny_llama, base)  # a base model of its own: the weights topic outlives this test
@@ -252,7 +252,7 @@ def test_the_trainer_trains_an_opted_in_projects_own_adapter_and_resumes_it(setu
     from tests.serving_helpers import find_events
     from tests.test_trainer_online import assert_exactly_once, end_offsets, episode, produce
     from trainer.online import OnlineTrainer
-    from trainer.weight_store import WeightStore
+    from policy.weight_store import WeightStore
 
     settings, topic, tok, base = setup
     settings = settings.model_copy(update={"project_policies": "alpha", "project_min_episodes": 4})
@@ -374,7 +374,7 @@ def test_a_projects_rolled_back_version_is_not_trained_on(setup):
     from tabloop.cli import main
     from tests.test_trainer_online import episode, produce, train_once
     from trainer.online import OnlineTrainer
-    from trainer.weight_store import WeightStore
+    from policy.weight_store import WeightStore
 
     settings, topic, tok, base = setup
     settings = settings.model_copy(update={"project_policies": "alpha", "project_min_episodes": 2})

@@ -18,7 +18,7 @@ from streams.history.sink import HistorySink
 from streams.history.sql import HistoryServer
 from streams.join import JoinConfig
 from streams.history.replay import canonical, derive_episodes, parse_offset
-from streams.rewards import RewardSpec, RewardSpecs
+from rewards.spec import RewardSpec, RewardSpecs
 from tests.conftest import make_settings
 from tests.history_fixture import new_store
 from tests.system_helpers import wait
@@ -187,7 +187,7 @@ def test_replay_scores_with_the_tests_its_spec_weighs(tmp_path):
     """With a spec that weighs unit tests, replayed episodes get the tests component as the worker's do."""
     from policy.fim import build_fim_prompt
     from streams.history.replay import score_episodes
-    from streams.scoring import Scorers, UnitTestsIndex
+    from rewards.scoring import Scorers, UnitTestsIndex
 
     prefix, suffix = "def add(a, b):\n    return ", "\n"
     prompt = build_fim_prompt(prefix, suffix)

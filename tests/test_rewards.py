@@ -2,7 +2,7 @@
 
 import pytest
 
-from streams.rewards import RewardSpec, RewardSpecs, acceptance_reward, composite_reward
+from rewards.spec import RewardSpec, RewardSpecs, acceptance_reward, composite_reward
 
 
 def test_cursor_defaults():
@@ -71,7 +71,7 @@ def test_length_penalty_reaches_unmatched_episodes():
 def test_served_token_counter_uses_the_served_models_tokenizer(tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from streams.rewards import served_token_counter
+    from rewards.spec import served_token_counter
     from tests.conftest import make_settings
 
     count = served_token_counter(make_settings(tmp_path, model=tiny_model))

@@ -19,8 +19,8 @@ import uuid
 
 import pytest
 
-from streams import sandbox
-from streams.sandbox import (OUTCOMES, SANDBOX_VAR, UID_POOL_BASE, UID_POOL_SIZE, SandboxUnavailable, _execute, _Plan,
+from rewards import sandbox
+from rewards.sandbox import (OUTCOMES, SANDBOX_VAR, UID_POOL_BASE, UID_POOL_SIZE, SandboxUnavailable, _execute, _Plan,
                              network_isolation_available, pooled_uid, required_isolation, run_tests)
 from tests.system_helpers import poll, wait
 

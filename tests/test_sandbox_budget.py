@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import json
 
-from streams.sandbox import DEV_NODES, MAX_OPEN_FILES, run_tests
+from rewards.sandbox import DEV_NODES, MAX_OPEN_FILES, run_tests
 
 LOOK_AROUND = """\
 import json, os, resource, socket, subprocess

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from policy.fim import build_fim_prompt
-from streams.judge import JudgeClient, JudgeConfig
-from streams.rewards import RewardSpec
-from streams.scoring import Scorers, UnitTestsIndex, judge_component, on_acceptance_scale, rescored, unit_tests_component
+from rewards.judge import JudgeClient, JudgeConfig
+from rewards.spec import RewardSpec
+from rewards.scoring import Scorers, UnitTestsIndex, judge_component, on_acceptance_scale, rescored, unit_tests_component
 from tests.test_judge import FakeJudgeAPI, Reply
 from tests.test_sandbox import FORGE_TOKEN
 

@@ -8,8 +8,8 @@ import hashlib
 import json
 
 from policy.fim import build_fim_prompt
-from streams.rewards import RewardSpec
-from streams.scoring import Scorers, UnitTestsIndex
+from rewards.spec import RewardSpec
+from rewards.scoring import Scorers, UnitTestsIndex
 
 SPEC = RewardSpec(weights={"acceptance": 0.5, "tests": 0.5})
 PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from policy.show_gate import FEATURES, Gate
-from streams.rewards import RewardSpec
+from rewards.spec import RewardSpec
 from trainer.ope import wilson_interval
 from trainer.proof.evaluate import Draw
 from trainer.proof.served import (Z, ConfidenceThreshold, choose_confidence_threshold, figures, gate_decision,

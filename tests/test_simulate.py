@@ -63,7 +63,7 @@ def test_tests_rule_runs_the_tasks_tests(monkeypatch):
     # The sandbox the rule runs in is the test scorer's: sandbox_passes hands it the file and, apart, the
     # tests, so the verdict is the judge's (a program holding its own tests could forge it).
     ran = []
-    monkeypatch.setattr("streams.sandbox.run_tests",
+    monkeypatch.setattr("rewards.sandbox.run_tests",
                         lambda program, **kw: ran.append((program, kw.get("tests"))) or SimpleNamespace(passed=False))
     assert not user.accepts(task, task.middle, run_tests=sandbox_passes)
     assert ran == [(task.source_with(task.middle), task.test)]
@@ -122,7 +122,7 @@ def test_kept_characters_count_what_agrees_with_the_true_code():
 
 
 def test_decision_rows_count_kept_beside_accepted_characters():
-    from streams.rewards import RewardSpec
+    from rewards.spec import RewardSpec
 
     tasks = [FimTask("a", "x = ", "\n", "compute(1)"), FimTask("b", "y = ", "\n", "other(2)"),
              FimTask("c", "z = ", "\n", "third(3)")]

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from policy.fim import parse_prompt
-from streams.sandbox import run_tests
+from rewards.sandbox import run_tests
 from trainer.proof.tasks import (TaskFormatError, build_source_tasks, code_lines, continue_prompt,
                            humaneval_problems, humaneval_tasks, load_tasks, resolve_dataset, save_tasks, source_files,
                            split_of)

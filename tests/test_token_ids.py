@@ -16,7 +16,7 @@ from schemas.events import EVENT_TYPES, RELEASED_DIR, Event, new_event
 from schemas.examples import example_event
 from schemas.token_ids import PACKED, pack_ids, packed_field, packed_text, prompt_ids, unpack_ids
 from streams.join import JoinPipeline
-from streams.rewards import RewardSpecs
+from rewards.spec import RewardSpecs
 from trainer.episodes import episode_sample
 
 IDS = [0, 7, 151_000, 2**32 - 1]
@@ -87,7 +87,7 @@ def test_the_streams_worker_json_carries_packed_ids_through_to_the_encoded_episo
     from faust.serializers import codecs
 
     from streams.app import plain
-    from streams.scoring import rescored
+    from rewards.scoring import rescored
 
     codec = Codec()
     completion = codec.decode(codec.encode(example_event("CompletionServed", 2))).record

@@ -22,7 +22,7 @@ from infra.auth import KeyStore
 from tests.conftest import make_settings
 from tests.serving_helpers import ProcessServer, find_events
 from tests.system_helpers import wait
-from trainer.weight_store import WeightStore, version_event
+from policy.weight_store import WeightStore, version_event
 
 pytestmark = [pytest.mark.kafka, pytest.mark.drill]  # three processes and a broker: minutes on two cores
 

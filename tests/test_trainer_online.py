@@ -20,7 +20,7 @@ from schemas.topics import WEIGHTS
 from tests.conftest import TEST_PARTITIONS, make_settings
 from tests.serving_helpers import find_events
 from tests.system_helpers import poll, wait
-from trainer.weight_store import WeightStore, version_event
+from policy.weight_store import WeightStore, version_event
 
 pytestmark = pytest.mark.kafka
 
@@ -225,7 +225,7 @@ def test_the_next_version_waits_for_the_running_canarys_decision(setup):
     undecided (then nothing would ever be promoted). Updates go on; the save waits for the decision, and the
     version saved then holds every update made meanwhile."""
     from trainer.online import OnlineTrainer
-    from trainer.weight_store import WeightStore
+    from policy.weight_store import WeightStore
 
     settings, topic, tok, base = setup
     settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 2})
@@ -361,7 +361,7 @@ def test_sigkill_between_and_during_updates(setup, tmp_path):
 def test_a_rollback_makes_the_trainer_go_on_from_the_promoted_version(setup):
     """After `weights rollback`, the next version builds on what serves, not on the rejected weights."""
     from trainer.online import OnlineTrainer
-    from trainer.weight_store import base_version_event
+    from policy.weight_store import base_version_event
 
     settings, topic, tok, base = setup
     produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])

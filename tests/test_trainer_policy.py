@@ -10,7 +10,7 @@ import torch
 from trainer.losses import BaselineState, baseline_advantages
 from policy.models import load_model
 from trainer.policy import PolicyTrainer, Sample, UpdateConfig, make_sample, sample_completions
-from trainer.weight_store import (Manifest, WeightStore, WeightStoreError, files_sha256, fold_statuses,
+from policy.weight_store import (Manifest, WeightStore, WeightStoreError, files_sha256, fold_statuses,
                                   promoted_version, version_event)
 
 

@@ -86,7 +86,7 @@ def test_weights_commands(kafka, tiny_model, tmp_path):
     from tabloop.cli import main
     from infra.settings import to_environ
     from tests.conftest import make_settings
-    from trainer.weight_store import WeightStore, promoted_version, read_weight_records
+    from policy.weight_store import WeightStore, promoted_version, read_weight_records
 
     base = str(tmp_path / "base")
     shutil.copytree(tiny_model, base)

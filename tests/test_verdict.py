@@ -16,7 +16,7 @@ import pytest
 from infra.bus import EventProducer, ensure_topics, read_topic
 from policy.fim import build_fim_prompt
 from schemas.events import new_event
-from streams.sandbox import run_tests
+from rewards.sandbox import run_tests
 from tests.conftest import make_settings
 from tests.system_helpers import wait
 from tests.test_streams import IDLE_S, start_worker, stop

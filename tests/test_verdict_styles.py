@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from streams.sandbox import run_tests
+from rewards.sandbox import run_tests
 
 RIGHT = "def solve(x):\n    return 3 * x\n"
 WRONG = "def solve(x):\n    return 3 + x\n"

@@ -69,7 +69,7 @@ def weights() -> None:
 
 def _store_and_records(settings):
     from trainer.named_models import build_named_model
-    from trainer.weight_store import WeightStore, read_weight_records
+    from policy.weight_store import WeightStore, read_weight_records
 
     base = build_named_model(settings)
     return base, WeightStore(settings.effective_weight_store, base), read_weight_records(settings)
@@ -90,7 +90,7 @@ def _publish(settings, *events) -> None:
 def weights_list(ctx: click.Context, as_json: bool) -> None:
     """Every version in the weight store with its status on tabloop.weights; * marks the ones serving follows
     (the shared policy's, and each project's own)."""
-    from trainer.weight_store import fold_statuses, promoted_version
+    from policy.weight_store import fold_statuses, promoted_version
 
     settings = _settings(ctx)
     base, store, records = _store_and_records(settings)
@@ -129,7 +129,7 @@ def _whose(project: str) -> str:
 def weights_promote(ctx: click.Context, version: int) -> None:
     """Promote VERSION: every serving replica loads it (0 = the base model) for the project it was trained for
     (the shared policy's versions: for every project without a version of its own)."""
-    from trainer.weight_store import WeightStoreError, base_version_event, version_event
+    from policy.weight_store import WeightStoreError, base_version_event, version_event
 
     settings = _settings(ctx)
     base, store, _ = _store_and_records(settings)
@@ -170,7 +170,7 @@ def rollback_target(records: list[dict], base_model: str, current: int, project:
 @click.pass_context
 def weights_rollback(ctx: click.Context, version: int | None, project: str) -> None:
     """Roll back the promoted version; serving goes to VERSION (default: the one promoted before it, else 0)."""
-    from trainer.weight_store import WeightStoreError, base_version_event, promoted_version, version_event
+    from policy.weight_store import WeightStoreError, base_version_event, promoted_version, version_event
 
     settings = _settings(ctx)
     base, store, records = _store_and_records(settings)
@@ -328,7 +328,7 @@ def weights_evaluate(ctx: click.Context, version: str, project: str | None, sinc
     user sees it. VERSION: a version number (0 = the base model) or a weights directory."""
     from infra.bus import broker_answers, read_topic
     from schemas.topics import EPISODES
-    from streams.rewards import RewardSpecs
+    from rewards.spec import RewardSpecs
     from trainer.ope_episodes import evaluate_logged, select_episodes
     from trainer.proof.evaluate import load_policy
 

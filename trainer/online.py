@@ -59,7 +59,7 @@ from trainer.gate import (OPE_PREFIX, GateDecision, HeldOutPool, estimate_metric
 from trainer.head_feed import HeadFeed
 from trainer.losses import BaselineState, baseline_advantages
 from trainer.policy import PolicyTrainer, Sample, UpdateConfig, describe_device
-from trainer.weight_store import (Manifest, WeightStore, base_version_event, fold_statuses, promoted_version,
+from policy.weight_store import (Manifest, WeightStore, base_version_event, fold_statuses, promoted_version,
                                   read_weight_records, version_event)
 
 log = logging.getLogger("tabloop.trainer")
@@ -640,7 +640,7 @@ class OnlineTrainer:
     def _gate(self, manifest: Manifest, weights_in_memory: bool) -> tuple[GateDecision, dict[str, float]]:
         """Estimate the version on the held-out episodes its project's serving version served (a project's
         version: that project's episodes only; trainer/gate.py)."""
-        from streams.rewards import RewardSpecs
+        from rewards.spec import RewardSpecs
         from trainer.ope_episodes import evaluate_logged, select_episodes
 
         version, project = manifest.version, manifest.project_id

@@ -47,7 +47,7 @@ import numpy as np
 from policy.show_gate import (Decided, Fit, FitConfig, Gate, first_line_features, fit_gate, kept_gains,
                                latest_statuses, serving_gate_record)
 from schemas.events import Event, new_event
-from streams.rewards import RewardSpec, RewardSpecs
+from rewards.spec import RewardSpec, RewardSpecs
 from trainer.ope import effective_sample_size, ratio_estimate
 
 log = logging.getLogger("tabloop.trainer.gate")
@@ -61,7 +61,7 @@ def _millis(t) -> int:
 
 def partial_share(record: dict, spec: RewardSpec) -> float:
     """The share of a PARTIAL episode's line the user kept, read back from its acceptance reward (the join
-    puts it f of the way from the rejected to the accepted reward, ``streams.rewards.acceptance_reward``)."""
+    puts it f of the way from the rejected to the accepted reward, ``rewards.spec.acceptance_reward``)."""
     reward = (record.get("reward_components") or {}).get("acceptance")
     if reward is None or spec.accepted <= spec.rejected:
         return 0.0
@@ -412,7 +412,7 @@ class GateLearner:
 
     def policy_version(self, project: str) -> int:
         """The weight version serving the project: its own promoted version, else the shared one."""
-        from trainer.weight_store import promoted_version
+        from policy.weight_store import promoted_version
 
         own = promoted_version(self.weight_records, self.base_model, project) if project else 0
         return own or promoted_version(self.weight_records, self.base_model)

@@ -170,7 +170,7 @@ def replay(ctx: click.Context, topic: str | None, dry_run: bool, source: str, si
 
     from streams.history.sql import SqlError
     from streams.history.replay import Selection, parse_offset, replay as run
-    from streams.rewards import RewardSpecs
+    from rewards.spec import RewardSpecs
 
     if not dry_run and not topic:
         _fail("say where the episodes go with --to TOPIC (or --dry-run)")

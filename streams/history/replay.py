@@ -9,7 +9,7 @@ Both sources give the same records (the sink stores every field; timestamps at
 millisecond precision, floats as Float32 like Avro's ``float``), the records are
 put in one order (event time, completions before feedback at the same instant,
 then event id) and run through the same pure join as the streams worker
-(``streams.join.JoinPipeline``) with the reward specs of ``streams.rewards``.
+(``streams.join.JoinPipeline``) with the reward specs of ``rewards.spec``.
 Episode ids are derived from what they join, so the same input gives the same
 episodes, ids included, from either source — and a trainer reading the topic
 can retrain a base model from history.
@@ -30,7 +30,7 @@ from schemas.events import EVENT_TYPES, Event
 from schemas.token_ids import PACKED, packed_field
 from schemas.topics import CATALOG, COMPLETIONS, FEEDBACK, KEEP_FOREVER, Topic
 from streams.join import JoinConfig, JoinPipeline, millis
-from streams.rewards import RewardSpecs
+from rewards.spec import RewardSpecs
 
 log = logging.getLogger("tabloop.replay")
 TICK_EVERY = 1000
@@ -135,10 +135,10 @@ def derive_episodes(records: Iterable[tuple[str, dict]], specs: RewardSpecs | No
 
 def score_episodes(episodes: list[Event], specs: RewardSpecs, scorers) -> list[Event]:
     """Episodes with the judge and tests components their project's spec weighs, as the streams worker
-    adds them (``streams.scoring``); episodes no scorer applies to come back as they are."""
+    adds them (``rewards.scoring``); episodes no scorer applies to come back as they are."""
     import asyncio
 
-    from streams.scoring import rescored
+    from rewards.scoring import rescored
 
     async def one(e: Event) -> Event:
         spec = specs.for_project(e.record["project_id"])
@@ -291,7 +291,7 @@ def replay(settings: Settings, source: str, selection: Selection, topic: str | N
     pipeline_config = JoinConfig.from_settings(settings)
     episodes = keep_versions(derive_episodes(records, specs, pipeline_config), selection.policy_versions)
     if scorers is None:
-        from streams.scoring import Scorers
+        from rewards.scoring import Scorers
 
         scorers = Scorers.from_settings(settings)
     episodes = score_episodes(episodes, specs, scorers)

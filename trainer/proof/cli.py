@@ -206,7 +206,7 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
     except ValueError as exc:
         raise _error(str(exc)) from None
     if scorer == "judge":
-        from streams.judge import JudgeConfig
+        from rewards.judge import JudgeConfig
 
         judge_url, judge_model = judge_url or s.judge_api_url, judge_model or s.judge_model
         if not judge_url or not judge_model:

@@ -34,7 +34,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from policy.fim import earliest_stop, prompt_format, prompt_token_ids
 from policy.shown import kept_token_count, single_line_mode
-from streams.rewards import RewardSpec
+from rewards.spec import RewardSpec
 from trainer.metrics import Scored, summarize, user_figures
 from trainer.proof.simulate import CONTINUE_STOPS, UserModel, decision_rows
 from trainer.proof.tasks import FimTask, iter_batches
@@ -46,7 +46,7 @@ def scorer_reward_spec(settings, scorer: str) -> RewardSpec:
     """The rewards ``scorer`` reports: for ``user`` the settings' default spec, the one the streams worker
     rewards episodes with; Cursor's otherwise. Only the user scorer reads the spec file, so a bad one
     (ValueError, naming it) does not stop an exact-match run."""
-    from streams.rewards import RewardSpecs
+    from rewards.spec import RewardSpecs
 
     return RewardSpecs.from_settings(settings).default if scorer == "user" else RewardSpec()
 
@@ -231,7 +231,7 @@ def generate(model, tokenizer, tasks: Sequence[FimTask], *, max_new_tokens: int 
 def score_tests(tasks: Sequence[FimTask], completions: Sequence[str], *, workers: int = 2,
                 timeout_s: float = 10.0) -> list[bool]:
     """Whether each task's file with its completion passes the task's tests (in the sandbox)."""
-    from streams.sandbox import run_tests
+    from rewards.sandbox import run_tests
 
     missing = [t.task_id for t in tasks if t.test is None]
     if missing:
@@ -248,14 +248,14 @@ def score_tests(tasks: Sequence[FimTask], completions: Sequence[str], *, workers
 
 
 async def _judge_all(config, tasks: Sequence[FimTask], completions: Sequence[str]):
-    from streams.judge import JudgeClient
+    from rewards.judge import JudgeClient
 
     async with JudgeClient(config) as client:
         return await asyncio.gather(*(client.score(t.prefix, t.suffix, c) for t, c in zip(tasks, completions)))
 
 
 def score_judge(config, tasks: Sequence[FimTask], completions: Sequence[str]) -> list[tuple[float | None, str | None]]:
-    """(score, error) per completion from the LLM judge (``streams.judge``)."""
+    """(score, error) per completion from the LLM judge (``rewards.judge``)."""
     return [(r.score, r.error) for r in asyncio.run(_judge_all(config, tasks, completions))]
 
 
@@ -270,7 +270,7 @@ def evaluate(model, tokenizer, tasks: Sequence[FimTask], *, scorer: str = "exact
     if scorer not in SCORERS:
         raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}")
     if scorer == "judge" and judge_config is None:
-        raise ValueError("the judge scorer needs a judge (a streams.judge.JudgeConfig)")
+        raise ValueError("the judge scorer needs a judge (a rewards.judge.JudgeConfig)")
     if scorer == "tests":
         missing = [t.task_id for t in tasks if t.test is None]
         if missing:

@@ -148,7 +148,7 @@ def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, dr
     ``order_summary``; every promoted gate of the sampled order is judged in full."""
     import time
 
-    from streams.rewards import RewardSpec
+    from rewards.spec import RewardSpec
     from trainer.proof.evaluate import load_policy, sample_draws
     from trainer.proof.served import served_rows
     from trainer.proof.simulate import UserModel

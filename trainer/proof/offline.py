@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from streams.rewards import RewardSpec
+from rewards.spec import RewardSpec
 from trainer.losses import grpo_advantages, rloo_advantages
 from trainer.policy import PolicyTrainer, Sample, sample_completions
 from trainer.proof.simulate import UserModel, decision_rows
@@ -394,7 +394,7 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
 
     from trainer.named_models import build_named_model
     from trainer.proof.tasks import resolve_dataset
-    from trainer.weight_store import WeightStore
+    from policy.weight_store import WeightStore
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if run.scorer not in SCORERS:
@@ -554,7 +554,7 @@ def _save_version(store, policy: PolicyTrainer, parent, run: OfflineRun, figures
 def _announce(settings, manifest, status: str) -> None:
     """Publish the version's WeightVersion and wait for Kafka's ack."""
     from infra.bus import EventProducer, ensure_topics
-    from trainer.weight_store import version_event
+    from policy.weight_store import version_event
 
     ensure_topics(settings)
     with EventProducer(settings, client_id="tabloop-train-offline") as producer:

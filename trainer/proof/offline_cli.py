@@ -90,7 +90,7 @@ def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> 
     from trainer.proof.offline import OfflineConfig, OfflineRun, run_offline
     from trainer.proof.cli import user_from_options
     from trainer.proof.tasks import TaskFormatError
-    from trainer.weight_store import WeightStoreError
+    from policy.weight_store import WeightStoreError
 
     settings = ctx.find_root().obj
     if not params["dataset"]:
@@ -99,7 +99,7 @@ def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> 
         raise click.UsageError("--max-versions is for continuous training; an offline run stops after --updates")
     judge_config = None
     if params["scorer"] == "judge":
-        from streams.judge import JudgeConfig
+        from rewards.judge import JudgeConfig
 
         url = params["judge_url"] or settings.judge_api_url
         model = params["judge_model"] or settings.judge_model

@@ -143,11 +143,11 @@ def outcome_of(shown: str | None, accepted: bool) -> str:
 
 def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: UserModel, spec) -> list[dict]:
     """One row per completion: what the editor shows, whether ``user`` takes it, the outcome and its reward
-    under ``spec`` (a ``streams.rewards.RewardSpec``), the accepted characters (all of what was shown, when
+    under ``spec`` (a ``rewards.spec.RewardSpec``), the accepted characters (all of what was shown, when
     taken) and the kept ones (``kept_chars_of``: of those, the ones that are right). The same rows score the
     held-out tasks of ``tabloop bench loop``, ``tabloop eval --scorer user`` and the offline trainer's user scorer; the
     ``tests`` rule runs the file in the sandbox, as the simulated users do."""
-    from streams.rewards import acceptance_reward
+    from rewards.spec import acceptance_reward
 
     if len(tasks) != len(completions):
         raise ValueError(f"{len(tasks)} tasks but {len(completions)} completions")
@@ -165,7 +165,7 @@ def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: Us
 
 def sandbox_passes(source: str, tests: str | None = None) -> bool:
     """The file passes the tests, run in the sandbox with the verdict decided by the judge outside it."""
-    from streams.sandbox import run_tests
+    from rewards.sandbox import run_tests
 
     return run_tests(source, tests=tests, timeout_s=10.0).passed
 
@@ -458,7 +458,7 @@ class Simulation:
                 continue  # nothing shown, nothing to report: Continue sends no event
             if c.rule == "tests":
                 # One sandbox run at a time: runs under one uid share its process limit and could signal
-                # each other (streams.sandbox), and they are CPU-bound anyway.
+                # each other (rewards.sandbox), and they are CPU-bound anyway.
                 async with self._sandbox_lock:
                     record.accepted = await asyncio.to_thread(self.user_model.accepts, task, record.shown,
                                                               run_tests=sandbox_passes)

@@ -88,13 +88,13 @@ class FimTask:
 
     def source_with(self, completion: str) -> str:
         """The file with ``completion`` at the cursor: what the sandbox runs; the tests are run apart, by the
-        judge (``streams.sandbox.run_tests(source, tests=task.test)``), so the code under test cannot
+        judge (``rewards.sandbox.run_tests(source, tests=task.test)``), so the code under test cannot
         forge their verdict."""
         return f"{self.prefix}{completion}{self.suffix}"
 
     def program(self, completion: str) -> str:
         """The file with ``completion`` at the cursor, then the task's tests: one program, for a sandbox run
-        that holds its own tests (``run_tests(program)``; its verdict is forgeable, see streams/sandbox.py)."""
+        that holds its own tests (``run_tests(program)``; its verdict is forgeable, see rewards/sandbox.py)."""
         if self.test is None:
             raise ValueError(f"task {self.task_id} has no tests")
         return f"{self.source_with(completion)}\n\n{self.test}\n"

@@ -158,7 +158,7 @@ def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
                     log: Callable[[str], None] | None = None) -> dict:
     import torch
 
-    from streams.rewards import RewardSpec
+    from rewards.spec import RewardSpec
     from trainer.metrics import user_figures
     from policy.models import load_model
     from trainer.policy import PolicyTrainer, UpdateConfig

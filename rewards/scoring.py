@@ -1,13 +1,13 @@
 """Scorers beyond the user's decision: the LLM judge and unit tests, as reward components of an episode.
 
-A project's reward spec weighs components (``streams.rewards``). When it gives
+A project's reward spec weighs components (``rewards.spec``). When it gives
 weight to ``judge`` or ``tests`` and the scorer can say something about the
 episode, the streams worker scores the episode before publishing it:
 
 - ``judge``: the judge's 0–10 score of (prefix, completion, suffix), for matched
   episodes whose prompt is a FIM prompt;
 - ``tests``: prefix + completion + suffix, then the task's tests, run in the
-  sandbox (``streams.sandbox``: a pass it can't forge), for prompts listed in the
+  sandbox (``rewards.sandbox``: a pass it can't forge), for prompts listed in the
   tests file (``TABLOOP_TESTS_FILE``).
 
 Both land on the acceptance scale of the spec (0 → ``rejected``, 1 → ``accepted``)
@@ -27,9 +27,9 @@ from pathlib import Path
 
 from policy.fim import parse_prompt
 from schemas.token_ids import PACKED, packed_field
-from streams.judge import JudgeClient, JudgeConfig
-from streams.rewards import RewardSpec, composite_reward
-from streams.sandbox import run_tests
+from rewards.judge import JudgeClient, JudgeConfig
+from rewards.spec import RewardSpec, composite_reward
+from rewards.sandbox import run_tests
 
 EXTRA_COMPONENTS = ("judge", "tests")
 

@@ -2,7 +2,7 @@
 
 Configured like the reference recipe: a base URL, an API key and a model name
 (``POST {api_url}/chat/completions``). The judge's score is one reward
-component among others (``streams.rewards``), so a failure here must never
+component among others (``rewards.spec``), so a failure here must never
 stall or fake an episode's reward: every call ends in a ``JudgeResult`` that
 holds either a score or an error saying why there is none, and the composite
 reward leaves a missing judge score out rather than counting it as zero.
