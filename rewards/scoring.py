@@ -28,24 +28,15 @@ from pathlib import Path
 from policy.fim import parse_prompt
 from schemas.token_ids import PACKED, packed_field
 from rewards.judge import JudgeClient, JudgeConfig
-from rewards.spec import RewardSpec, composite_reward
+from rewards.spec import RewardSpec, composite_reward, on_acceptance_scale
 from rewards.sandbox import run_tests
-
-EXTRA_COMPONENTS = ("judge", "tests")
-
-
-def on_acceptance_scale(spec: RewardSpec, fraction: float) -> float:
-    """A 0..1 score as a reward comparable with the acceptance component: 0 → rejected, 1 → accepted."""
-    f = min(max(fraction, 0.0), 1.0)
-    return spec.rejected + (spec.accepted - spec.rejected) * f
-
 
 def judge_component(spec: RewardSpec, score_0_to_10: float) -> float:
     return on_acceptance_scale(spec, score_0_to_10 / 10.0)
 
 
 def unit_tests_component(spec: RewardSpec, passed: bool) -> float:
-    return spec.accepted if passed else spec.rejected
+    return on_acceptance_scale(spec, 1.0 if passed else 0.0)
 
 
 def rescored(episode: dict, spec: RewardSpec, extra: dict[str, float], errors: dict[str, str]) -> dict:
@@ -56,6 +47,11 @@ def rescored(episode: dict, spec: RewardSpec, extra: dict[str, float], errors: d
             "reward": composite_reward(spec, components, len(episode["completion_token_ids"])),
             "scorer": "+".join(sorted(components, key=lambda c: (c != "acceptance", c))),
             "scoring_errors": {**episode.get("scoring_errors", {}), **errors}}
+
+
+class ScoringError(RuntimeError):
+    """A scorer could say nothing of this episode (a malformed answer, a sandbox that could not start): the
+    message goes to ``scoring_errors`` and the component's weight is left out of the reward."""
 
 
 class UnitTestsIndex:
@@ -106,71 +102,121 @@ def episode_cursor(episode: dict) -> tuple[str, str] | None:
     return (parsed.prefix or "", parsed.suffix or "") if parsed.is_fim else None
 
 
+class JudgeScorer:
+    """``judge``: the LLM judge's 0–10 score of (prefix, completion, suffix), on the acceptance scale."""
+
+    name = "judge"
+
+    def __init__(self, client: JudgeClient):
+        self.client = client
+
+    @classmethod
+    def from_settings(cls, settings) -> "JudgeScorer | None":
+        if not (settings.judge_api_url or settings.judge_model):
+            return None
+        return cls(JudgeClient(JudgeConfig(api_url=settings.judge_api_url, api_key=settings.judge_api_key,
+                                           model=settings.judge_model, timeout_s=settings.judge_timeout_s,
+                                           max_concurrency=settings.judge_max_concurrency)))
+
+    def applies(self, episode: dict) -> bool:
+        return True
+
+    async def score(self, spec: RewardSpec, prefix: str, suffix: str, text: str, episode: dict) -> float:
+        result = await self.client.score(prefix, suffix, text)
+        if not result.ok:
+            raise ScoringError(result.error or "no score")
+        return judge_component(spec, result.score)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class UnitTestsScorer:
+    """``tests``: prefix + completion + suffix, then the task's tests, run in the sandbox's judge (a pass the
+    code under test can't forge), for the prompts the tests file lists."""
+
+    name = "tests"
+
+    def __init__(self, index: UnitTestsIndex, timeout_s: float = 10.0, memory_bytes: int = 512 * 2**20):
+        self.index, self.timeout_s, self.memory_bytes = index, timeout_s, memory_bytes
+
+    @classmethod
+    def from_settings(cls, settings) -> "UnitTestsScorer | None":
+        if not settings.tests_file:
+            return None
+        return cls(UnitTestsIndex.from_jsonl(settings.tests_file), settings.tests_timeout_s,
+                   settings.tests_memory_mb * 2**20)
+
+    def applies(self, episode: dict) -> bool:
+        return self.index.for_episode(episode) is not None
+
+    async def score(self, spec: RewardSpec, prefix: str, suffix: str, text: str, episode: dict) -> float:
+        # The tests go apart from the file: compiled on their own (a completion can't swallow them into a
+        # string) and run by the judge, which sees the program only through what the tests call.
+        program, tests = f"{prefix}{text}{suffix}\n", self.index.for_episode(episode)
+        try:
+            result = await asyncio.to_thread(run_tests, program, tests=tests, timeout_s=self.timeout_s,
+                                             memory_bytes=self.memory_bytes)
+        except Exception as exc:  # the sandbox itself failed: no score, say why
+            raise ScoringError(f"{type(exc).__name__}: {exc}") from None
+        if result.outcome == "error":
+            raise ScoringError(f"sandbox: {result.stderr[-300:]}")
+        return unit_tests_component(spec, result.passed)
+
+    async def aclose(self) -> None:
+        pass
+
+
+SCORERS = {scorer.name: scorer.from_settings for scorer in (JudgeScorer, UnitTestsScorer)}
+"""Every reward component scored beyond the user's decision, by name: the name a reward spec weighs → how a
+worker makes its scorer from the settings (None: not configured here). A new component is a class with
+``name``, ``from_settings``, ``applies``, ``score`` and ``aclose``, and one entry here."""
+
+
 @dataclass
 class Scorers:
-    """The judge and the tests runner a worker scores with; either may be absent (not configured)."""
+    """The scorers a worker (or a replay) scores with, by component name: those configured here."""
 
-    judge: JudgeClient | None = None
-    tests: UnitTestsIndex | None = None
-    tests_timeout_s: float = 10.0
-    tests_memory_bytes: int = 512 * 2**20
+    active: dict = field(default_factory=dict)
     concurrency: int = 8
     _slots: asyncio.Semaphore | None = field(default=None, repr=False)
 
     @classmethod
+    def of(cls, *scorers, concurrency: int = 8) -> "Scorers":
+        return cls({s.name: s for s in scorers}, concurrency)
+
+    @classmethod
     def from_settings(cls, settings) -> "Scorers":
-        judge = None
-        if settings.judge_api_url or settings.judge_model:
-            judge = JudgeClient(JudgeConfig(api_url=settings.judge_api_url, api_key=settings.judge_api_key,
-                                            model=settings.judge_model, timeout_s=settings.judge_timeout_s,
-                                            max_concurrency=settings.judge_max_concurrency))
-        tests = UnitTestsIndex.from_jsonl(settings.tests_file) if settings.tests_file else None
-        return cls(judge, tests, settings.tests_timeout_s, settings.tests_memory_mb * 2**20,
-                   settings.scoring_concurrency)
+        made = (make(settings) for make in SCORERS.values())
+        return cls.of(*(s for s in made if s is not None), concurrency=settings.scoring_concurrency)
 
     def weighed(self, spec: RewardSpec) -> list[str]:
-        """The components scored here (judge, tests) that ``spec`` weighs and this worker can score; empty:
-        no episode of the spec waits for scoring, and ``wanted`` need not look at one."""
-        return [name for name, scorer in (("judge", self.judge), ("tests", self.tests))
-                if spec.weights.get(name, 0) > 0 and scorer is not None]
+        """The components scored here that ``spec`` weighs; empty: no episode of the spec waits for scoring,
+        and ``wanted`` need not look at one."""
+        return [name for name in self.active if spec.weights.get(name, 0) > 0]
 
     def wanted(self, spec: RewardSpec, episode: dict) -> list[str]:
         """The extra components this episode should get under ``spec`` (empty: publish it as it is)."""
         weighed = self.weighed(spec)
         if not weighed or not episode["matched"] or episode_cursor(episode) is None:
             return []
-        return [name for name in weighed if name != "tests" or self.tests.for_episode(episode)]
+        return [name for name in weighed if self.active[name].applies(episode)]
 
     async def score(self, spec: RewardSpec, episode: dict, wanted: list[str]) -> tuple[dict, dict]:
         """(components, errors) for the ``wanted`` components of one episode."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.concurrency)
         prefix, suffix = episode_cursor(episode) or ("", "")
-        text = episode["completion_text"]
         components, errors = {}, {}
         async with self._slots:
-            if "judge" in wanted:
-                result = await self.judge.score(prefix, suffix, text)
-                if result.ok:
-                    components["judge"] = judge_component(spec, result.score)
-                else:
-                    errors["judge"] = result.error or "no score"
-            if "tests" in wanted:
-                # The tests go apart from the file: compiled on their own (a completion can't swallow them
-                # into a string) and run with the builtins the completion may have patched restored.
-                program, tests = f"{prefix}{text}{suffix}\n", self.tests.for_episode(episode)
+            for name in wanted:
                 try:
-                    result = await asyncio.to_thread(run_tests, program, tests=tests, timeout_s=self.tests_timeout_s,
-                                                     memory_bytes=self.tests_memory_bytes)
-                except Exception as exc:  # the sandbox itself failed: no score, say why
-                    errors["tests"] = f"{type(exc).__name__}: {exc}"
-                else:
-                    if result.outcome == "error":
-                        errors["tests"] = f"sandbox: {result.stderr[-300:]}"
-                    else:
-                        components["tests"] = unit_tests_component(spec, result.passed)
+                    components[name] = await self.active[name].score(spec, prefix, suffix,
+                                                                     episode["completion_text"], episode)
+                except ScoringError as exc:
+                    errors[name] = str(exc)
         return components, errors
 
     async def aclose(self) -> None:
-        if self.judge is not None:
-            await self.judge.aclose()
+        for scorer in self.active.values():
+            await scorer.aclose()

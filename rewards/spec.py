@@ -37,6 +37,14 @@ class RewardSpec:
             raise ValueError("reward spec must order rejected <= ignored <= accepted")
 
 
+def on_acceptance_scale(spec: RewardSpec, fraction: float) -> float:
+    """A 0..1 score as a reward comparable with the acceptance component: 0 → rejected, 1 → accepted (a
+    fraction outside 0..1 is clamped). A partial accept and every extra component land on this scale, so a
+    weighted mean of components means something."""
+    f = min(max(fraction, 0.0), 1.0)
+    return spec.rejected + (spec.accepted - spec.rejected) * f
+
+
 def acceptance_reward(spec: RewardSpec, outcome: str, accepted_fraction: float | None = None) -> float:
     """The user's decision as a reward. PARTIAL earns the accepted fraction of the way from rejected
     to accepted (Continue's partial accepts take a prefix of the suggestion)."""
@@ -47,8 +55,7 @@ def acceptance_reward(spec: RewardSpec, outcome: str, accepted_fraction: float |
     if outcome == "IGNORED":
         return spec.ignored
     if outcome == "PARTIAL":
-        f = min(max(accepted_fraction if accepted_fraction is not None else 0.0, 0.0), 1.0)
-        return spec.rejected + (spec.accepted - spec.rejected) * f
+        return on_acceptance_scale(spec, accepted_fraction if accepted_fraction is not None else 0.0)
     raise ValueError(f"unknown outcome {outcome!r}; expected one of {', '.join(OUTCOMES)}")
 
 

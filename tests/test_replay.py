@@ -187,7 +187,7 @@ def test_replay_scores_with_the_tests_its_spec_weighs(tmp_path):
     """With a spec that weighs unit tests, replayed episodes get the tests component as the worker's do."""
     from policy.fim import build_fim_prompt
     from streams.history.replay import score_episodes
-    from rewards.scoring import Scorers, UnitTestsIndex
+    from rewards.scoring import Scorers, UnitTestsScorer, UnitTestsIndex
 
     prefix, suffix = "def add(a, b):\n    return ", "\n"
     prompt = build_fim_prompt(prefix, suffix)
@@ -207,7 +207,7 @@ def test_replay_scores_with_the_tests_its_spec_weighs(tmp_path):
     specs = RewardSpecs(RewardSpec(weights={"acceptance": 0.5, "tests": 0.5}))
     episodes = derive_episodes(records, specs)
     index = UnitTestsIndex({hashlib.sha256(prompt.encode()).hexdigest(): "assert add(2, 3) == 5\n"})
-    scored = {e.record["completion_text"]: e.record for e in score_episodes(episodes, specs, Scorers(tests=index))}
+    scored = {e.record["completion_text"]: e.record for e in score_episodes(episodes, specs, Scorers.of(UnitTestsScorer(index)))}
     assert scored["a + b"]["reward_components"] == {"acceptance": 0.75, "tests": 0.75}
     assert scored["a - b"]["reward_components"] == {"acceptance": 0.75, "tests": -0.25}
     assert scored["a - b"]["reward"] == pytest.approx(0.25) and scored["a - b"]["scorer"] == "acceptance+tests"

@@ -10,8 +10,10 @@ import pytest
 
 from policy.fim import build_fim_prompt
 from rewards.judge import JudgeClient, JudgeConfig
-from rewards.spec import RewardSpec
-from rewards.scoring import Scorers, UnitTestsIndex, judge_component, on_acceptance_scale, rescored, unit_tests_component
+from rewards.scoring import (SCORERS, JudgeScorer, Scorers, UnitTestsScorer, UnitTestsIndex, judge_component, rescored,
+                             unit_tests_component)
+from rewards.spec import RewardSpec, on_acceptance_scale
+from tests.conftest import make_settings
 from tests.test_judge import FakeJudgeAPI, Reply
 from tests.test_sandbox import FORGE_TOKEN
 
@@ -71,13 +73,26 @@ def test_tests_file_errors_name_the_line(tmp_path):
 def test_only_weighted_scorers_that_can_say_something_are_wanted(judge_api):
     index = UnitTestsIndex({})
     judge = JudgeClient(JudgeConfig(api_url=judge_api.url + "/v1", api_key="k", model="m"))
-    scorers = Scorers(judge=judge, tests=index)
+    scorers = Scorers.of(JudgeScorer(judge), UnitTestsScorer(index))
     assert scorers.wanted(SPEC, episode()) == ["judge"]  # no tests for this prompt
     assert scorers.wanted(SPEC, episode(matched=False)) == []  # off-policy: nothing to judge
     assert scorers.wanted(SPEC, episode(prompt="not a FIM prompt")) == []
     assert scorers.wanted(RewardSpec(), episode()) == []  # the default spec weighs acceptance only
     assert Scorers().wanted(SPEC, episode()) == []  # nothing configured
     asyncio.run(judge.aclose())
+
+
+def test_the_scorers_a_worker_gets_are_the_registered_ones_its_settings_configure(tmp_path):
+    assert set(SCORERS) == {"judge", "tests"}  # the names a reward spec weighs
+    assert Scorers.from_settings(make_settings(tmp_path)).active == {}  # nothing configured
+    with_tests = make_settings(tmp_path, tests_file=_tasks(tmp_path), tests_timeout_s=7.0)
+    active = Scorers.from_settings(with_tests).active
+    assert list(active) == ["tests"] and active["tests"].timeout_s == 7.0
+    assert active["tests"].index.for_prompt(build_fim_prompt(PREFIX, SUFFIX)) == TESTS
+    both = Scorers.from_settings(make_settings(tmp_path, tests_file=_tasks(tmp_path), judge_model="m",
+                                               judge_api_url="http://127.0.0.1:9/v1"))
+    assert list(both.active) == ["judge", "tests"]
+    asyncio.run(both.aclose())
 
 
 def test_judge_and_tests_scores_for_real(judge_api, tmp_path):
@@ -88,7 +103,7 @@ def test_judge_and_tests_scores_for_real(judge_api, tmp_path):
 
     async def run():
         judge = JudgeClient(JudgeConfig(api_url=judge_api.url + "/v1", api_key="k", model="m", backoff_s=0.01))
-        scorers = Scorers(judge=judge, tests=index, tests_timeout_s=20)
+        scorers = Scorers.of(JudgeScorer(judge), UnitTestsScorer(index, timeout_s=20))
         good = episode("a + b")
         assert scorers.wanted(SPEC, good) == ["judge", "tests"]
         first = await scorers.score(SPEC, good, ["judge", "tests"])
@@ -106,7 +121,7 @@ def test_judge_and_tests_scores_for_real(judge_api, tmp_path):
 def test_completions_that_game_the_tests_are_scored_as_failing(tmp_path):
     """Issue 18: a completion that wrote the sandbox's end token and left was rewarded as passing."""
     index = UnitTestsIndex.from_jsonl(_tasks(tmp_path))
-    scorers = Scorers(tests=index, tests_timeout_s=20)
+    scorers = Scorers.of(UnitTestsScorer(index, timeout_s=20))
     games = {"forge_token": "a - b\n" + FORGE_TOKEN, "leave_early": "a - b\nimport os\nos._exit(0)\n"}
     for name, text in games.items():
         components, errors = asyncio.run(scorers.score(SPEC, episode(text), ["tests"]))

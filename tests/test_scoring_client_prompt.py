@@ -9,7 +9,7 @@ import json
 
 from policy.fim import build_fim_prompt
 from rewards.spec import RewardSpec
-from rewards.scoring import Scorers, UnitTestsIndex
+from rewards.scoring import Scorers, UnitTestsScorer, UnitTestsIndex
 
 SPEC = RewardSpec(weights={"acceptance": 0.5, "tests": 0.5})
 PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
@@ -20,7 +20,7 @@ def test_tests_keyed_by_the_client_prompt_score_a_request_that_sent_a_suffix(tmp
     client_sha = hashlib.sha256(PREFIX.encode()).hexdigest()  # the request's `prompt`: the prefix alone
     path = tmp_path / "tasks.jsonl"
     path.write_text(json.dumps({"prompt_sha256": client_sha, "tests": TESTS}) + "\n")
-    scorers = Scorers(tests=UnitTestsIndex.from_jsonl(path), tests_timeout_s=20)
+    scorers = Scorers.of(UnitTestsScorer(UnitTestsIndex.from_jsonl(path), timeout_s=20))
     episode = {"completion_id": "c1", "project_id": "p", "prompt": build_fim_prompt(PREFIX, SUFFIX),
                "prompt_sha256": client_sha, "completion_text": "a + b", "completion_token_ids": [1, 2],
                "matched": True, "reward_components": {"acceptance": 0.75}}
@@ -38,7 +38,7 @@ def test_an_episode_served_the_prefix_alone_is_scored_with_the_clients_suffix(tm
     to parse: the episode's own prefix and suffix (v6) rebuild the file. The tests need the suffix here."""
     suffix = "\n\ndef twice(x):\n    return add(x, x)\n"
     tests = "assert twice(3) == 6\n"
-    scorers = Scorers(tests=UnitTestsIndex({"sha": tests}), tests_timeout_s=20)
+    scorers = Scorers.of(UnitTestsScorer(UnitTestsIndex({"sha": tests}), timeout_s=20))
     episode = {"completion_id": "c1", "project_id": "p", "prompt": PREFIX, "prompt_sha256": "sha",
                "prefix": PREFIX, "suffix": suffix, "completion_text": "a + b", "completion_token_ids": [1, 2],
                "matched": True, "reward_components": {"acceptance": 0.75}}
