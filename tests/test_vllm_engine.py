@@ -1,6 +1,6 @@
-"""The vllm engine against real OpenAI-compatible servers: two other `tabloop serve` processes.
-
-(vLLM itself can't be installed here; the engine is described under "Engines" in docs/front-door.md.)
+"""The vllm engine against real OpenAI-compatible servers: two other `tabloop serve` processes, and recording
+stand-ins speaking the vLLM routes as vLLM 0.32 answers them (the engine is described under "Engines" in
+docs/front-door.md). Against a real vLLM: tests/test_vllm_drill.py (`make vllm-drills`).
 """
 
 from __future__ import annotations
@@ -70,31 +70,68 @@ def test_round_robin_logprobs_and_failover(kafka, tiny_model, tmp_path):
 
 
 class RecordingReplica:
-    """An HTTP server speaking the two vLLM routes the engine uses, recording every request: the dynamic
-    LoRA route (``/v1/load_lora_adapter``, as ``vllm serve --enable-lora`` with
-    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` serves it) and a one-token streamed ``/v1/completions``."""
+    """An HTTP server speaking the vLLM routes the engine uses, recording every request, and keeping what a vLLM
+    replica keeps: its served name (``--served-model-name``) and its adapters, listed in ``/v1/models`` with a
+    ``parent``. The dynamic LoRA routes (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``, as ``vllm serve
+    --enable-lora`` with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` serves them, answering 400 for a name already
+    loaded and 404 for one it does not hold) and a one-token streamed ``/v1/completions`` (404 for a model it
+    does not serve; ``usage_chunk``: ending as with ``stream_options.include_usage``, a chunk with no choices)."""
 
-    def __init__(self, lora_status: int = 200, lora_text: str = "Success: LoRA adapter loaded"):
+    def __init__(self, lora_status: int = 200, lora_text: str = "Success: LoRA adapter loaded",
+                 served_name: str = "base-model", usage_chunk: bool = False, adapters: tuple[str, ...] = ()):
         import json
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.requests: list[tuple[str, dict]] = []
+        self.served_name = served_name
+        self.adapters: set[str] = set(adapters)
         replica = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):  # quiet
                 pass
 
+            def do_GET(self):
+                replica.requests.append((self.path, {}))
+                if self.path == "/v1/models":
+                    data = [{"id": replica.served_name, "object": "model", "parent": None}]
+                    data += [{"id": a, "object": "model", "parent": replica.served_name}
+                             for a in sorted(replica.adapters)]
+                    self._answer(200, "application/json", json.dumps({"object": "list", "data": data}).encode())
+                else:
+                    self._answer(404, "text/plain", b"no such route")
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 replica.requests.append((self.path, body))
                 if self.path == "/v1/load_lora_adapter":
+                    if lora_status == 200 and body["lora_name"] in replica.adapters:
+                        self._answer(400, "text/plain", f"The lora adapter '{body['lora_name']}' has already been "
+                                                        "loaded.".encode())
+                        return
+                    if lora_status == 200 or "already" in lora_text:
+                        replica.adapters.add(body["lora_name"])
                     self._answer(lora_status, "text/plain", lora_text.encode())
+                elif self.path == "/v1/unload_lora_adapter":
+                    if body["lora_name"] not in replica.adapters:
+                        self._answer(404, "text/plain", b"The lora adapter cannot be found.")
+                        return
+                    replica.adapters.discard(body["lora_name"])
+                    self._answer(200, "text/plain", b"Success: LoRA adapter unloaded")
                 elif self.path == "/v1/completions":
+                    if body["model"] != replica.served_name and body["model"] not in replica.adapters:
+                        self._answer(404, "application/json", json.dumps(
+                            {"error": {"message": f"The model `{body['model']}` does not exist."}}).encode())
+                        return
                     chunk = {"choices": [{"index": 0, "text": "x", "token_ids": [42], "prompt_token_ids": [1, 2],
                                           "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": "length"}]}
-                    self._answer(200, "text/event-stream", f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+                    events = [chunk]
+                    if usage_chunk:
+                        events.append({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1,
+                                                                "total_tokens": 3}})
+                    data = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                    self._answer(200, "text/event-stream", data.encode())
                 else:
                     self._answer(404, "text/plain", b"no such route")
 
@@ -108,6 +145,13 @@ class RecordingReplica:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def restart(self) -> None:
+        """As a vLLM process restarted: the adapters loaded at run time are gone."""
+        self.adapters.clear()
+
+    def posted(self, path: str) -> list[dict]:
+        return [body for p, body in self.requests if p == path]
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -147,7 +191,7 @@ def test_a_new_lora_version_is_loaded_on_every_replica_and_then_requested_by_nam
             loads = [body for path, body in replica.requests if path == "/v1/load_lora_adapter"]
             assert loads == [{"lora_name": "tabloop-v3", "lora_path": "/weights/base/v000003"}]
         asked = [body["model"] for r in replicas for path, body in r.requests if path == "/v1/completions"]
-        assert asked == ["tabloop-v3", tiny_model]  # round robin: the adapter by name, then the base again
+        assert asked == ["tabloop-v3", "base-model"]  # round robin: the adapter by name, then the base again
         assert [(s.token_id, s.logprob, s.policy_version) for s in steps] == [(42, -0.5, 3)]
         assert version_after_full == 3 and final_version == 0 and back_to_base[0].policy_version == 0
 
@@ -156,7 +200,7 @@ def test_a_new_lora_version_is_loaded_on_every_replica_and_then_requested_by_nam
         async def refused():
             engine = VLLMEngine(bad)
             try:
-                with pytest.raises(RuntimeError, match=f"{failing.url} could not load adapter tabloop-v5: 500"):
+                with pytest.raises(RuntimeError, match=f"{failing.url} could not load adapter tabloop-v5 from /w/v5: 500"):
                     await engine.load_version(5, "file:///w/v5", "LORA")
                 return engine.policy_version
             finally:
@@ -200,5 +244,136 @@ def test_each_project_asks_the_replicas_for_its_own_adapter(tiny_model, tmp_path
         assert served == [3, 5, 5] and shared_version == 5
         asked = [body["model"] for path, body in replica.requests if path == "/v1/completions"]
         assert asked == ["tabloop-v3", "tabloop-v5", "tabloop-v5"]
+    finally:
+        replica.stop()
+
+
+def _engine_scenario(settings, scenario):
+    """Run ``scenario(engine)`` on a VLLMEngine over ``settings`` and close it."""
+    import asyncio
+
+    from serving.engines.vllm_engine import VLLMEngine
+
+    async def run():
+        engine = VLLMEngine(settings)
+        try:
+            return await scenario(engine)
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+def _request(**kw):
+    from serving.engines.base import GenerationRequest
+
+    return GenerationRequest(**{"prompt_ids": [], "max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0,
+                                "prompt_text": "a = ", **kw})
+
+
+def test_requests_ask_for_the_name_the_replica_serves_not_the_local_model_path(tiny_model, tmp_path):
+    # A replica started with `--served-model-name coder` answers 404 for anything else, the door's model path
+    # included; the engine asks the replica's /v1/models what it serves.
+    replica = RecordingReplica(served_name="coder")
+    try:
+        settings = make_settings(tmp_path, model=tiny_model, engine="vllm", vllm_urls=replica.url)
+
+        async def scenario(engine):
+            return [s async for s in engine.stream(_request())], [s async for s in engine.stream(_request())]
+
+        first, second = _engine_scenario(settings, scenario)
+        assert [(s.token_id, s.logprob) for s in first + second] == [(42, -0.5), (42, -0.5)]
+        assert [b["model"] for b in replica.posted("/v1/completions")] == ["coder", "coder"]
+        assert [p for p, _ in replica.requests].count("/v1/models") == 1  # asked once, not per request
+    finally:
+        replica.stop()
+
+
+def test_the_usage_chunk_with_no_choices_ends_the_stream_cleanly(tiny_model, tmp_path):
+    from serving.engines.vllm_engine import _steps
+
+    # vLLM ends a stream with `stream_options.include_usage` (or `--enable-force-include-usage`) so.
+    usage = {"id": "cmpl-1", "object": "text_completion", "choices": [],
+             "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}
+    assert _steps(usage, 0) == [] and _steps(usage, 0, greedy=True) == []
+    replica = RecordingReplica(usage_chunk=True)
+    try:
+        settings = make_settings(tmp_path, model=tiny_model, engine="vllm", vllm_urls=replica.url)
+
+        async def scenario(engine):
+            return [s async for s in engine.stream(_request())]
+
+        steps = _engine_scenario(settings, scenario)
+        assert [(s.token_id, s.logprob, s.finish_reason, s.prompt_token_ids) for s in steps] == \
+            [(42, -0.5, "length", (1, 2))]
+    finally:
+        replica.stop()
+
+
+def test_versions_no_longer_served_are_unloaded_and_a_restarted_replica_gets_the_served_set(tiny_model, tmp_path):
+    # One replica still holds adapters from an earlier front door's life: tabloop-v1 (ours, not served any more)
+    # and another team's adapter (not ours: left alone).
+    replicas = [RecordingReplica(adapters=("tabloop-v1", "someone-elses")), RecordingReplica()]
+    try:
+        settings = make_settings(tmp_path, model=tiny_model, engine="vllm",
+                                 vllm_urls=",".join(r.url for r in replicas))
+
+        async def scenario(engine):
+            held = []
+            await engine.load_version(3, "file:///w/v3", "LORA")
+            await engine.load_version(3, "file:///w/v3", "LORA", project="alpha")  # alpha on the same version
+            held.append([sorted(r.adapters) for r in replicas])
+            await engine.load_version(4, "file:///w/v4", "LORA")  # shared moves on; alpha still serves v3
+            held.append([sorted(r.adapters) for r in replicas])
+            await engine.drop_project("alpha")  # nobody is served v3 any more
+            held.append([sorted(r.adapters) for r in replicas])
+            for _ in replicas:  # each replica used once: the first is brought to the served set on first use
+                [s async for s in engine.stream(_request())]
+            held.append([sorted(r.adapters) for r in replicas])
+            await engine.load_version(0, "", "LORA")  # rolled back to the base: no adapter served
+            held.append([sorted(r.adapters) for r in replicas])
+            await engine.load_version(5, "file:///w/v5", "LORA")
+            replicas[0].restart()  # comes back with no adapters; the door saw no failure
+            replicas[1].restart()
+            after_restart = [s.policy_version for _ in replicas async for s in engine.stream(_request())]
+            held.append([sorted(r.adapters) for r in replicas])
+            return held, after_restart
+
+        held, after_restart = _engine_scenario(settings, scenario)
+        assert held[0] == [["someone-elses", "tabloop-v1", "tabloop-v3"], ["tabloop-v3"]]
+        assert held[1] == [["someone-elses", "tabloop-v1", "tabloop-v3", "tabloop-v4"], ["tabloop-v3", "tabloop-v4"]]
+        assert held[2] == [["someone-elses", "tabloop-v1", "tabloop-v4"], ["tabloop-v4"]]
+        assert held[3] == [["someone-elses", "tabloop-v4"], ["tabloop-v4"]]  # the old door's v1 unloaded
+        assert held[4] == [["someone-elses"], []]
+        assert held[5] == [["tabloop-v5"], ["tabloop-v5"]]  # a restart loses every run-time adapter
+        assert after_restart == [5, 5]  # each answered by the adapter, reloaded after a 404, not by the base
+        for r in replicas:
+            unloads = [b["lora_name"] for b in r.posted("/v1/unload_lora_adapter")]
+            assert "someone-elses" not in unloads and unloads.count("tabloop-v3") == 1
+    finally:
+        for r in replicas:
+            r.stop()
+
+
+def test_an_adapter_is_unloaded_only_after_the_requests_using_it_finish(tiny_model, tmp_path):
+    import asyncio
+
+    replica = RecordingReplica()
+    try:
+        settings = make_settings(tmp_path, model=tiny_model, engine="vllm", vllm_urls=replica.url)
+
+        async def scenario(engine):
+            await engine.load_version(3, "file:///w/v3", "LORA")
+            stream = engine.stream(_request())
+            first = await stream.__anext__()  # a request on v3 is in flight ...
+            await engine.load_version(4, "file:///w/v4", "LORA")  # ... when v4 replaces it
+            during = sorted(replica.adapters)
+            rest = [s async for s in stream]
+            await asyncio.sleep(0.2)  # the unload it left behind runs on the loop
+            return first, rest, during, sorted(replica.adapters)
+
+        first, rest, during, after = _engine_scenario(settings, scenario)
+        assert first.policy_version == 3 and rest == []
+        assert during == ["tabloop-v3", "tabloop-v4"] and after == ["tabloop-v4"]
     finally:
         replica.stop()

@@ -16,13 +16,27 @@ are right only for requests served at temperature 1 and top-p 1. Greedy requests
 (logprob 0), whatever the replica reports; what it reports becomes the token's
 ``gate_logprob``, the show-gate's confidence figure (a replica reports one kind of
 logprob, not also those at the exploration temperature the transformers engine
-gives: the gate then sees greedy lines at temperature 1). New LoRA versions are loaded on every replica with
-``/v1/load_lora_adapter`` and requested by adapter name. Anything that speaks
+gives: the gate then sees greedy lines at temperature 1). Anything that speaks
 the same API works as a replica, another ``tabloop serve`` included.
+
+The name a request asks for is the replica's own: the base model is whatever the replica lists in
+``/v1/models`` (the entry with no ``parent``; vLLM lists its LoRA adapters with one), asked once per replica.
+The replica is the one source of truth: it was started with some ``--served-model-name`` (or none: then its
+model path, which need not be the path this door loads the tokenizer from), and no setting has to be kept in
+step with it.
+
+Adapters. A LoRA version is loaded on every replica with ``/v1/load_lora_adapter`` as ``tabloop-vN`` and
+requested by that name. The served set is the adapters some project's requests ask for (the shared policy's
+and each project's own; this engine serves no canaries); an adapter that leaves it is unloaded from every
+replica (``/v1/unload_lora_adapter``) once no request in flight still uses it. A replica is brought to the
+served set (missing adapters loaded, ``tabloop-v*`` ones no longer served unloaded, whoever loaded them) the
+first time it is used, after it failed (it may come back restarted, with no adapters) and when it answers 404
+for a name (it restarted between two requests): then the request is retried on it once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -37,6 +51,12 @@ from policy.sampling import GREEDY_TEMPERATURE
 
 log = logging.getLogger("tabloop.vllm")
 UNHEALTHY_FOR_S = 5.0
+ADAPTER_PREFIX = "tabloop-v"  # the adapters this engine names, and so may unload
+
+
+class ReplicaOutOfStep(RuntimeError):
+    """A replica could not be brought to the served set (its models unreadable, an adapter it would not load):
+    it is skipped like a failed one."""
 
 
 class VLLMEngine(Engine):
@@ -52,10 +72,17 @@ class VLLMEngine(Engine):
         if not urls:
             raise ValueError("TABLOOP_ENGINE=vllm needs TABLOOP_VLLM_URLS (comma-separated base URLs)")
         self.urls = urls
+        # The model's spec (a path or hub id): the tokenizer's source and the base model weight versions name.
+        # Not what requests ask a replica for: that is the replica's own name (``_base_names``).
         self.model_name = resolve_model_spec(settings)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_name)
-        # project ("" = shared) -> (the model name requests ask for: the base model or a LoRA adapter's, version)
-        self._served: dict[str, tuple[str, int]] = {"": (self.model_name, 0)}
+        # project ("" = shared) -> (the adapter its requests ask for, None: the base model; version)
+        self._served: dict[str, tuple[str | None, int]] = {"": (None, 0)}
+        self._adapter_paths: dict[str, str] = {}  # adapter name -> its path, for each adapter loaded and not unloaded
+        self._in_use: dict[str, int] = {}  # adapter name -> requests in flight asking for it
+        self._base_names: dict[str, str] = {}  # url -> the base model's name on that replica (its /v1/models)
+        self._synced: set[str] = set()  # replicas known to hold the served set of adapters
+        self._tasks: set[asyncio.Task] = set()
         self._down_until = {u: 0.0 for u in urls}
         self._order = itertools.cycle(urls)
         headers = {"Authorization": f"Bearer {settings.vllm_api_key}"} if settings.vllm_api_key else {}
@@ -66,6 +93,8 @@ class VLLMEngine(Engine):
         return self._tokenizer
 
     async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
         await self._http.aclose()
 
     def _healthy_urls(self) -> list[str]:
@@ -78,36 +107,63 @@ class VLLMEngine(Engine):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
         # Text, not ids: any OpenAI-compatible server takes it (ours and vLLM tokenize the same way).
         prompt = request.prompt_text if request.prompt_text is not None else request.prompt_ids
-        served_name, version = self._served.get(request.project_id) or self._served[""]
-        body = {"model": served_name, "prompt": prompt, "max_tokens": request.max_new_tokens,
+        adapter, version = self._served.get(request.project_id) or self._served[""]
+        body = {"prompt": prompt, "max_tokens": request.max_new_tokens,
                 "temperature": request.temperature, "top_p": request.top_p, "stream": True, "logprobs": 0,
                 "return_token_ids": True, "skip_special_tokens": False}
         if request.seed is not None:
             body["seed"] = request.seed
+        if adapter is not None:  # counted before any await: an unload of it waits for this request
+            self._in_use[adapter] = self._in_use.get(adapter, 0) + 1
+        try:
+            async for step in self._stream_from_replicas(body, adapter, version, request):
+                yield step
+        finally:
+            if adapter is not None:
+                self._in_use[adapter] -= 1
+                if not self._in_use[adapter]:
+                    del self._in_use[adapter]
+                    if adapter not in self._wanted():  # it left the served set while this request used it
+                        self._spawn(self._unload_unserved())
+
+    async def _stream_from_replicas(self, body: dict, adapter: str | None, version: int,
+                                    request: GenerationRequest) -> AsyncIterator[TokenStep]:
         last_error: Exception | None = None
         for url in self._healthy_urls():
             emitted = False
             try:
-                async with self._http.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                    if resp.status_code >= 500:
-                        raise httpx.HTTPStatusError(f"{resp.status_code}", request=resp.request, response=resp)
-                    if resp.status_code >= 400:
-                        detail = (await resp.aread()).decode(errors="replace")[:500]
-                        raise RuntimeError(f"replica {url} refused the request ({resp.status_code}): {detail}")
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data: "):
+                for attempt in (1, 2):
+                    if url not in self._synced:
+                        await self._sync(url)
+                    body["model"] = adapter or self._base_names[url]
+                    async with self._http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                        if resp.status_code == 404 and attempt == 1:
+                            # The replica does not know the name: it restarted (without its adapters) or was
+                            # started under another name since it was asked. Ask it again, retry once.
+                            log.warning("replica %s does not know model %s: bringing it to the served set",
+                                        url, body["model"])
+                            self._synced.discard(url)
                             continue
-                        data = line[6:]
-                        if data == "[DONE]":
-                            return
-                        for step in _steps(json.loads(data), version,
-                                           greedy=request.temperature <= GREEDY_TEMPERATURE):
-                            emitted = True
-                            yield step
-                return
-            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                        if resp.status_code >= 500:
+                            raise httpx.HTTPStatusError(f"{resp.status_code}", request=resp.request, response=resp)
+                        if resp.status_code >= 400:
+                            detail = (await resp.aread()).decode(errors="replace")[:500]
+                            raise RuntimeError(f"replica {url} refused the request ({resp.status_code}): {detail}")
+                        async for line in resp.aiter_lines():
+                            if not line.startswith("data: "):
+                                continue
+                            data = line[6:]
+                            if data == "[DONE]":
+                                return
+                            for step in _steps(json.loads(data), version,
+                                               greedy=request.temperature <= GREEDY_TEMPERATURE):
+                                emitted = True
+                                yield step
+                        return
+            except (httpx.TransportError, httpx.HTTPStatusError, ReplicaOutOfStep) as exc:
                 last_error = exc
                 self._down_until[url] = time.monotonic() + UNHEALTHY_FOR_S
+                self._synced.discard(url)  # it may come back restarted, holding no adapter
                 log.warning("replica %s failed: %s", url, exc)
                 if emitted:  # tokens already went to the client: don't splice another replica's
                     raise RuntimeError(f"replica {url} failed mid-completion: {exc}") from exc
@@ -115,36 +171,111 @@ class VLLMEngine(Engine):
 
     async def load_version(self, version: int, uri: str, kind: str, *, project: str = "") -> None:
         """Serve ``version`` to the project's requests (""; every project without its own): the replicas load
-        a LoRA version by adapter name, once, and each request names the adapter of its project."""
+        a LoRA version by adapter name, once, and each request names the adapter of its project. The adapter
+        it replaces is unloaded from the replicas if no other project is served it."""
         if version == 0:
-            self._set_served(project, self.model_name, 0)
-            return
-        if kind != "LORA":
-            raise ValueError("the vllm engine hot-loads LoRA adapters; full weights need the replicas restarted "
-                             "with the new checkpoint")
-        name = f"tabloop-v{version}"
-        for url in self.urls:
-            resp = await self._http.post(f"{url}/v1/load_lora_adapter",
-                                         json={"lora_name": name, "lora_path": uri.removeprefix("file://")})
-            if resp.status_code >= 400 and "already" not in resp.text:
-                raise RuntimeError(f"{url} could not load adapter {name}: {resp.status_code} {resp.text[:300]}")
-        self._set_served(project, name, version)
+            self._set_served(project, None, 0)
+        else:
+            if kind != "LORA":
+                raise ValueError("the vllm engine hot-loads LoRA adapters; full weights need the replicas restarted "
+                                 "with the new checkpoint")
+            name, path = f"{ADAPTER_PREFIX}{version}", uri.removeprefix("file://")
+            self._adapter_paths[name] = path
+            loaded = 0
+            try:
+                for url in self.urls:
+                    try:
+                        await self._load(url, name, path)
+                        loaded += 1
+                    except httpx.TransportError as exc:  # down now: it gets the served set when it is used again
+                        self._synced.discard(url)
+                        log.warning("replica %s is unreachable; it loads %s when it is back: %s", url, name, exc)
+                if not loaded:
+                    raise RuntimeError(f"no vLLM replica could be reached to load adapter {name} ({path})")
+            except Exception:
+                await self._unload_unserved()  # not served: off the replicas that did load it
+                raise
+            self._set_served(project, name, version)
+        await self._unload_unserved()
 
     async def drop_project(self, project: str) -> None:
         if not project:
             raise ValueError("the shared policy cannot be dropped (roll it back to a version instead)")
         self._served.pop(project, None)
+        await self._unload_unserved()
 
-    def _set_served(self, project: str, name: str, version: int) -> None:
+    def _set_served(self, project: str, name: str | None, version: int) -> None:
         self._served[project] = (name, version)
         if not project:
             self.policy_version = version
+
+    # -- the replicas' adapters ----------------------------------------------------
+
+    def _wanted(self) -> set[str]:
+        return {name for name, _ in self._served.values() if name is not None}
+
+    async def _load(self, url: str, name: str, path: str) -> None:
+        resp = await self._http.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        if resp.status_code >= 400 and "already" not in resp.text:  # vLLM: 400 "… has already been loaded"
+            # The path said here: vLLM's message says "<path>" in its place.
+            raise RuntimeError(f"{url} could not load adapter {name} from {path}: {resp.status_code} "
+                               f"{resp.text[:300]}")
+
+    async def _unload(self, url: str, name: str) -> None:
+        resp = await self._http.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
+        if resp.status_code == 404:  # not there (it restarted, or another door unloaded it): the wanted state
+            return
+        if resp.status_code >= 400:
+            raise RuntimeError(f"{url} could not unload adapter {name}: {resp.status_code} {resp.text[:300]}")
+
+    async def _unload_unserved(self) -> None:
+        """Unload from every replica the adapters no project is served, except those requests still use."""
+        for name in [n for n in self._adapter_paths if n not in self._wanted() and n not in self._in_use]:
+            for url in self.urls:
+                try:
+                    await self._unload(url, name)
+                except (httpx.TransportError, RuntimeError) as exc:  # its next sync unloads it
+                    self._synced.discard(url)
+                    log.warning("replica %s: adapter %s stays loaded for now: %s", url, name, exc)
+            self._adapter_paths.pop(name, None)
+
+    async def _sync(self, url: str) -> None:
+        """Learn the replica's base model name and bring its ``tabloop-v*`` adapters to the served set."""
+        resp = await self._http.get(f"{url}/v1/models")
+        if resp.status_code >= 400:
+            raise ReplicaOutOfStep(f"{url}/v1/models answered {resp.status_code}: {resp.text[:300]}")
+        try:
+            models = resp.json().get("data") or []
+        except (ValueError, AttributeError) as exc:
+            raise ReplicaOutOfStep(f"{url}/v1/models did not answer a model list: {resp.text[:300]}") from exc
+        bases = [m["id"] for m in models if not m.get("parent")]
+        if not bases:
+            raise ReplicaOutOfStep(f"{url}/v1/models lists no base model: {models!r:.300}")
+        self._base_names[url] = bases[0]
+        have = {m["id"] for m in models if m.get("parent")}
+        wanted = self._wanted()
+        try:
+            for name in sorted(wanted - have):
+                await self._load(url, name, self._adapter_paths[name])
+            for name in sorted(have - wanted - set(self._in_use)):
+                if name.startswith(ADAPTER_PREFIX):
+                    await self._unload(url, name)
+        except RuntimeError as exc:
+            raise ReplicaOutOfStep(str(exc)) from exc
+        self._synced.add(url)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def _steps(chunk: dict, version: int, *, greedy: bool = False) -> list[TokenStep]:
     """TokenSteps from one streamed completion chunk (it may carry several tokens); ``greedy``: the request
     took the argmax, whose behaviour logprob is 0 (a point mass) whatever the replica reports; the reported one
     is kept as the step's ``gate_logprob`` (how sure the model was, for the show-gate)."""
+    if not chunk.get("choices"):  # the usage chunk (``stream_options.include_usage``) has none: no token
+        return []
     choice = chunk["choices"][0]
     ids = choice.get("token_ids") or []
     logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
