@@ -9,7 +9,6 @@ replica already running the tiny model (seed 0, float32, served as ``tabloop-dri
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from dataclasses import replace
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import make_settings
+from tests.test_vllm_engine import _engine_scenario
 
 pytestmark = [pytest.mark.drill, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -62,19 +62,6 @@ def _settings(tmp_path, tiny_model, url, **kw):
     return make_settings(tmp_path, model=tiny_model, engine="vllm", vllm_urls=url, **kw)
 
 
-def _run(settings, scenario):
-    from serving.engines.vllm_engine import VLLMEngine
-
-    async def run():
-        engine = VLLMEngine(settings)
-        try:
-            return await scenario(engine)
-        finally:
-            await engine.close()
-
-    return asyncio.run(run())
-
-
 def _request(**kw):
     from serving.engines.base import GenerationRequest
 
@@ -105,7 +92,7 @@ def test_streamed_tokens_prompt_ids_and_processed_logprobs_match_the_trainer(vll
     async def scenario(engine):
         return [[s async for s in engine.stream(_request(temperature=t, top_p=p))] for t, p in cases]
 
-    for (temperature, top_p), steps in zip(cases, _run(settings, scenario)):
+    for (temperature, top_p), steps in zip(cases, _engine_scenario(settings, scenario)):
         assert len(steps) == 16 and steps[-1].finish_reason == "length"
         # The replica tokenized the text as the local tokenizer does, and said so on the first step.
         assert steps[0].prompt_token_ids == tuple(tokenizer(PROMPT)["input_ids"])
@@ -125,7 +112,7 @@ def test_greedy_is_recorded_as_a_point_mass_and_the_reported_logprob_kept_for_th
     async def scenario(engine):
         return [s async for s in engine.stream(_request(temperature=0.0))]
 
-    steps = _run(settings, scenario)
+    steps = _engine_scenario(settings, scenario)
     token_ids = [s.token_id for s in steps]
     expected, argmax = _trainer_log_probs(local_model, steps[0].prompt_token_ids, token_ids, 1.0, 1.0)
     assert token_ids == argmax  # the replica took the local model's argmax at every step
@@ -168,7 +155,7 @@ def test_a_lora_version_loads_serves_and_unloads_and_a_bad_path_changes_nothing(
         back = [s.token_id async for s in engine.stream(greedy)]
         return base, with_adapter, loaded, str(bad.value), after_bad, listed(), back
 
-    base, with_adapter, loaded, bad, after_bad, unloaded, back = _run(settings, scenario)
+    base, with_adapter, loaded, bad, after_bad, unloaded, back = _engine_scenario(settings, scenario)
     assert loaded == ["tabloop-v1"]
     assert {v for _, v in with_adapter} == {1} and [t for t, _ in with_adapter] != base  # the adapter served
     assert "No adapter found" in bad  # vLLM's reason, next to the path it could not load
