@@ -862,6 +862,10 @@ from tabloop.loop_bench import bench_loop  # noqa: E402  (the whole loop, evalua
 
 bench.add_command(bench_loop)
 
+from tabloop.candidates_bench import bench_candidates  # noqa: E402  (choosing among candidates, train tasks only)
+
+bench.add_command(bench_candidates)
+
 
 if __name__ == "__main__":
     sys.exit(main())
