@@ -48,7 +48,8 @@ class Settings(BaseModel):
     serve_host: str = Field("127.0.0.1", description="address the front door listens on")
     completions_port: int = Field(8081, ge=0, le=65535, description="port of /v1/completions (0: any free port)")
     feedback_port: int = Field(8082, ge=0, le=65535, description="port of the feedback routes (0: any free port)")
-    engine: Literal["transformers", "vllm"] = Field("transformers", description="transformers (in-process) or vllm")
+    engine: str = Field("transformers", pattern=r"^[a-z][a-z0-9_]*$", description="the engine by its registered "
+                        "name (serving.engines.ENGINES): transformers (in-process) or vllm (replicas at vllm_urls)")
     vllm_urls: str = Field("", description="comma-separated base URLs of vLLM OpenAI servers (engine=vllm)")
     vllm_api_key: str = Field("", description="Bearer key for the vLLM servers, if they want one")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (transformers engine)")

@@ -10,32 +10,11 @@ import uvicorn
 from infra.http_server import bind, guarded_protocol
 from infra.settings import Settings
 from serving.app import FrontDoor
-from serving.engines.base import Engine
+from serving.engines import Engine, make_engine
 from serving.gates import GateWatcher
 from serving.publisher import EventPublisher
 
 log = logging.getLogger("tabloop.serve")
-def make_engine(settings: Settings) -> Engine:
-    if settings.engine == "vllm":
-        from serving.engines.vllm_engine import VLLMEngine
-
-        return VLLMEngine(settings)
-    from transformers.utils import logging as hf_logging
-
-    from serving.engines.transformers_engine import TransformersEngine
-    from policy.models import use_torch_threads
-    from policy.named_models import resolve_model_spec
-
-    hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
-    use_torch_threads(settings.torch_threads)
-
-    device = settings.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return TransformersEngine(resolve_model_spec(settings), device=device, max_batch=settings.max_batch,
-                             batch_window_ms=settings.batch_window_ms, max_adapters=settings.max_adapters)
 
 
 class Server:

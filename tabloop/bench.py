@@ -232,7 +232,7 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
     from infra.settings import to_environ
     from serving.engines.base import GenerationRequest
     from policy.fim import QWEN_STOP_WORDS, build_fim_prompt
-    from serving.server import make_engine
+    from serving.engines import make_engine
     from trainer.named_models import build_named_model
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures

@@ -310,3 +310,21 @@ def test_server_side_caps_and_exploration_temperature(kafka, tiny_model, tmp_pat
         assert r["prompt_sha256"] == hashlib.sha256(prompt.encode()).hexdigest()  # the client's prompt
     finally:
         server.stop()
+
+
+def test_engines_are_made_by_their_registered_name(tmp_path, tiny_model):
+    import asyncio
+
+    from serving.engines import ENGINES, UnknownEngine, make_engine
+    from serving.engines.transformers_engine import TransformersEngine
+    from serving.engines.vllm_engine import VLLMEngine
+
+    assert set(ENGINES) == {"transformers", "vllm"}
+    with pytest.raises(UnknownEngine, match="no engine named 'tgi'.*transformers, vllm"):
+        make_engine(make_settings(tmp_path, engine="tgi"))
+    vllm = make_engine(make_settings(tmp_path, engine="vllm", vllm_urls="http://127.0.0.1:9", model=tiny_model))
+    assert type(vllm) is VLLMEngine
+    asyncio.run(vllm.close())
+    local = make_engine(make_settings(tmp_path, model=tiny_model, device="auto"))
+    assert type(local) is TransformersEngine and local.device == "cpu"
+    asyncio.run(local.close())

@@ -504,7 +504,7 @@ def test_model_processes_split_the_cores_when_front_door_and_trainer_share_them(
 def test_the_front_door_engine_takes_its_thread_share(tmp_path, tiny_model):
     import torch
 
-    from serving.server import make_engine
+    from serving.engines import make_engine
 
     before = torch.get_num_threads()
     try:

@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import torch
+from transformers.utils import logging as hf_logging
 
-from serving.engines.base import Engine, GenerationRequest, TokenStep
+from policy.models import CachedDecoder, use_torch_threads
+from policy.named_models import resolve_model_spec
 from policy.sampling import GREEDY_TEMPERATURE, sampling_log_probs
-from policy.models import CachedDecoder
+from serving.engines.base import Engine, GenerationRequest, TokenStep
 
 log = logging.getLogger("tabloop.engine")
 _DONE = object()  # end of a request's token stream
@@ -568,3 +570,14 @@ class TransformersEngine(Engine):
             return ""
         new, slot.text_sent = text[slot.text_sent:], len(text)
         return new
+
+
+def from_settings(settings) -> TransformersEngine:
+    """The in-process engine over the model ``TABLOOP_MODEL`` names, on ``TABLOOP_DEVICE`` (``ENGINES``)."""
+    hf_logging.disable_progress_bar()  # a server's log is no place for progress bars
+    use_torch_threads(settings.torch_threads)
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return TransformersEngine(resolve_model_spec(settings), device=device, max_batch=settings.max_batch,
+                              batch_window_ms=settings.batch_window_ms, max_adapters=settings.max_adapters)

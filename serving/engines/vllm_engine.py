@@ -295,3 +295,8 @@ def _steps(chunk: dict, version: int, *, greedy: bool = False) -> list[TokenStep
     steps.append(TokenStep(ids[-1], float(logprobs[-1]), text, version, finish, None if steps else prompt_ids,
                            gate_logprob=gate[-1]))
     return steps
+
+
+def from_settings(settings) -> VLLMEngine:
+    """The engine over the vLLM replicas ``TABLOOP_VLLM_URLS`` lists (``ENGINES``)."""
+    return VLLMEngine(settings)
