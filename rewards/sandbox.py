@@ -1159,7 +1159,9 @@ def _tabloop_sandbox_server():
                 value = repr(target)
             else:
                 raise ValueError(f"no such operation: {op}")
-            reply = {"value": enc(value), "after": [enc(a) for a in args]}
+            reply = {"value": enc(value)}
+            if request.get("copies"):  # call_with_copies: the arguments as the call left them
+                reply["after"] = [enc(a) for a in args]
         except Exception as e:
             reply = {"raised": [type(e).__name__, str(e)[:2000]]}
         _send(reply_fd, reply)
@@ -1192,20 +1194,30 @@ class _ProgramGone(BaseException):
 _NOT_RAISED_AS_ITSELF = (StopIteration, StopAsyncIteration)
 
 
-def _names_the_tests_use(code):
-    # (every name the tests' code holds, the names it uses as a module: loaded as a global and then an
-    # attribute read of it, e.g. `math.isclose`). Of the program's names, only the first set are given.
-    names, module_like, todo = set(), set(), [code]
+def _code_objects(code):
+    # The tests' code and every function, class body and comprehension in it.
+    todo = [code]
     while todo:
         c = todo.pop()
-        names.update(c.co_names)
+        yield c
         todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+
+
+def _names_the_tests_use(code):
+    # (every name the tests' code holds, the names it loads as globals, the names it uses as a module: loaded
+    # as a global and then an attribute read of it, e.g. `math.isclose`). Of the program's names, only the
+    # first set are given.
+    names, loaded, module_like = set(), set(), set()
+    for c in _code_objects(code):
+        names.update(c.co_names)
         previous = None
         for ins in dis.get_instructions(c):
             if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and previous is not None:
                 module_like.add(previous)
             previous = ins.argval if ins.opname in ("LOAD_NAME", "LOAD_GLOBAL") else None
-    return names, module_like
+            if previous is not None:
+                loaded.add(previous)
+    return names, loaded, module_like
 
 
 def _unittest_main(ran):
@@ -1230,7 +1242,7 @@ def _main(cfg):
     call_fd, reply_fd, limit = cfg["call_fd"], cfg["reply_fd"], cfg["limit"]
     broken = []
     tests = compile(sys.stdin.read(), "tests.py", "exec", dont_inherit=True)
-    used, module_like = _names_the_tests_use(tests)
+    used, loaded, module_like = _names_the_tests_use(tests)
 
     def dec(v, depth=0):
         if depth > 100:
@@ -1283,7 +1295,8 @@ def _main(cfg):
         raise TypeError(f"the tests can't send a {t.__name__} to the program: plain data only")
 
     def ask(request):
-        # The program's answer as (value, its copies of the arguments as it left them).
+        # The program's answer, made here; with "copies": (it, the program's copies of the arguments as the
+        # call left them).
         if broken:
             raise _ProgramGone(broken[0])
         try:
@@ -1300,8 +1313,13 @@ def _main(cfg):
                     message = f"the program raised {name}: {message}"
                 raised = kind(message)
             else:
-                after = reply.get("after") or []
-                return dec(reply["value"]), tuple(dec(a) for a in after) if type(after) is list else ()
+                value = dec(reply["value"])
+                if not request.get("copies"):
+                    return value
+                after = reply.get("after")
+                if type(after) is not list:
+                    raise ValueError("no copies of the arguments in the answer")
+                return value, tuple(dec(a) for a in after)
         except (OSError, EOFError, ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
             broken.append(f"the program stopped answering the tests: {type(e).__name__}: {e}")
             raise _ProgramGone(broken[0]) from None
@@ -1318,37 +1336,37 @@ def _main(cfg):
             object.__setattr__(self, "_r", r)
 
         def __getattr__(self, name):
-            return ask({"op": "getattr", "h": object.__getattribute__(self, "_h"), "name": name})[0]
+            return ask({"op": "getattr", "h": object.__getattribute__(self, "_h"), "name": name})
 
         def __call__(self, *args, **kwargs):
-            return call(self, args, kwargs)[0]
+            return call(self, args, kwargs)
 
         def __getitem__(self, key):
-            return ask({"op": "getitem", "h": object.__getattribute__(self, "_h"), "args": [enc(key)]})[0]
+            return ask({"op": "getitem", "h": object.__getattribute__(self, "_h"), "args": [enc(key)]})
 
         def __len__(self):
-            n = ask({"op": "len", "h": object.__getattribute__(self, "_h")})[0]
+            n = ask({"op": "len", "h": object.__getattribute__(self, "_h")})
             if type(n) is not int:
                 raise TypeError("len() of the program's object is not an int")
             return n
 
         def __iter__(self):
-            items = ask({"op": "list", "h": object.__getattribute__(self, "_h")})[0]
+            items = ask({"op": "list", "h": object.__getattribute__(self, "_h")})
             return iter(items if type(items) is list else [])
 
         def __repr__(self):
             return f"<the program's {object.__getattribute__(self, '_r')}>"
 
-    def call(function, args, kwargs):
+    def call(function, args, kwargs, copies=False):
         if type(function) is not Remote:
             raise TypeError(f"not something the program defined: {function!r}")
         return ask({"op": "call", "h": object.__getattribute__(function, "_h"), "args": [enc(a) for a in args],
-                    "kwargs": {str(k): enc(v) for k, v in kwargs.items()}})
+                    "kwargs": {str(k): enc(v) for k, v in kwargs.items()}, "copies": copies})
 
     def call_with_copies(function, *args, **kwargs):
         # For tests of a function that changes its arguments: (what it returned, the copies of the positional
         # arguments it was given, as it left them). The tests' own objects stay as they were.
-        return call(function, args, kwargs)
+        return call(function, args, kwargs, copies=True)
 
     # What a task's tests may import beyond the standard library: `from tabloop_judge import call_with_copies`.
     helpers = types.ModuleType("tabloop_judge", "What the judge offers a task's tests.")
@@ -1386,7 +1404,7 @@ def _main(cfg):
     unittest.main = _unittest_main(ran_unittest)
     try:
         exec(tests, main.__dict__)
-        _run_uncalled_tests(tests, main.__dict__, ran_unittest)
+        _run_uncalled_tests(loaded, main.__dict__, ran_unittest)
         passed = True
     except SystemExit as e:
         passed = not cfg["must_reach_end"] and e.code in (0, None, False)
@@ -1401,17 +1419,12 @@ def _main(cfg):
     return passed
 
 
-def _run_uncalled_tests(tests, namespace, ran_unittest):
+def _run_uncalled_tests(named, namespace, ran_unittest):
     # pytest's way, for tests written in it: each test_* function the tests define and never name themselves
-    # is called, and, unless unittest.main() ran, each TestCase class they define is run.
+    # (``named``: the globals their code loads) is called, and, unless unittest.main() ran, each TestCase class
+    # they define is run.
     import unittest
 
-    named = set()
-    todo = [tests]
-    while todo:
-        c = todo.pop()
-        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-        named.update(ins.argval for ins in dis.get_instructions(c) if ins.opname in ("LOAD_NAME", "LOAD_GLOBAL"))
     for name, value in list(namespace.items()):
         if (name.startswith("test") and name not in named and isinstance(value, types.FunctionType)
                 and value.__code__.co_filename == "tests.py" and value.__code__.co_argcount == 0):
