@@ -233,13 +233,14 @@ class CompletionRun:
         # The show-gate scores a line on its tokens' logprobs at one temperature, the exploration one, whatever
         # this request is drawn at: a greedy token's behaviour logprob is 0 (a point mass), which says nothing
         # of how sure the model was, and a gate fit on explored lines must see greedy ones on the same scale.
+        # Asked of the engine (a second distribution per token) only where a gate is learned and served.
         gate_temperature = self.settings.default_temperature
+        wants_gate_figures = self.settings.show_gate and self.params.temperature != gate_temperature
         self.generation = GenerationRequest(prompt_ids=ids, max_new_tokens=self.params.max_tokens,
                                             temperature=self.params.temperature, top_p=self.params.top_p,
                                             seed=self.params.seed, prompt_text=self.prompt_text,
                                             project_id=self.project_id,
-                                            gate_temperature=(None if self.params.temperature == gate_temperature
-                                                              else gate_temperature))
+                                            gate_temperature=gate_temperature if wants_gate_figures else None)
         return self.generation
 
     @property

@@ -180,7 +180,9 @@ def test_a_seeded_share_explores_exactly_the_requests_its_coin_names_and_the_epi
     argmax: every greedy completion of the same prompt is the same), their gate figures the logprobs at the
     exploration temperature. A client's own temperature is served as asked, with no coin. The fields reach
     the Episode through the join; the trainer then trains the sampled episodes and drops the greedy ones."""
-    server = start_door(kafka, tiny_model, tmp_path / "door", exploration_share=0.25, exploration_seed=7)
+    # The show-gate on (no gate published yet: everything is shown): greedy lines then carry its figures.
+    server = start_door(kafka, tiny_model, tmp_path / "door", exploration_share=0.25, exploration_seed=7,
+                        show_gate=True)
     try:
         asked: dict[str, float | None] = {}
         for i in range(80):  # until both branches have 3 requests (a greedy one is ~3 of 4)
@@ -287,5 +289,7 @@ def test_share_0_serves_everyone_greedily_and_share_1_samples_every_request(kafk
             assert r["temperature"] == 0.7 and all(lp < 0 for lp in r["completion_logprobs"])
         else:
             assert r["temperature"] == 0.0 and set(r["completion_logprobs"]) == {0.0}
+        # The show-gate is off here (the tests' default): no second distribution was asked of the engine.
+        assert r["completion_gate_logprobs"] == []
     if share == 0.0:  # greedy: one completion of the prompt, whichever request asked
         assert len({tuple(r["completion_token_ids"]) for r in events.values()}) == 1
