@@ -89,8 +89,8 @@ def choose_sampling(requested: float | None, completion_id: str, *, share: float
                     exploration_temperature: float, min_temperature: float,
                     override: float | None = None) -> Sampling:
     """The rule in full: the coin where it applies (``explores``), and the temperature it gives."""
-    if not subject_to_coin(requested, min_temperature=min_temperature, override=override):
-        return Sampling(served_temperature(requested, False, exploration_temperature=exploration_temperature,
-                                           min_temperature=min_temperature, override=override), False, None)
-    explored = explores(completion_id, share, seed)
-    return Sampling(exploration_temperature if explored else GREEDY, explored, share)
+    flipped = subject_to_coin(requested, min_temperature=min_temperature, override=override)
+    explored = flipped and explores(completion_id, share, seed)
+    return Sampling(served_temperature(requested, explored, exploration_temperature=exploration_temperature,
+                                       min_temperature=min_temperature, override=override),
+                    explored, share if flipped else None)

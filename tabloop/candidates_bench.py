@@ -27,7 +27,6 @@ import hashlib
 import json
 import pickle
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -430,8 +429,3 @@ def _click():
 
 bench_candidates = _click()
 
-
-if __name__ == "__main__":  # until the command is registered in tabloop/cli.py: python -m tabloop.candidates_bench
-    from infra.settings import load_settings
-
-    sys.exit(bench_candidates.main(obj=load_settings()))
