@@ -655,6 +655,7 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
     gate, then each gate version served with it, decide on them. The reference carries the confidence-threshold
     baseline (``reference["threshold_baseline"]``, its threshold chosen on ``train`` tasks), and every entry
     its paired difference with the reference (``vs_reference``)."""
+    from policy.sampling import GREEDY_TEMPERATURE
     from policy.show_gate import Gate
     from trainer.proof.evaluate import load_policy, sample_draws
     from trainer.proof.served import figures, paired_figures, served_rows
@@ -686,7 +687,10 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
                 say(f"bench loop: reference (v0 greedy, mean token probability ≥ {baseline['threshold']}, chosen on "
                     f"{baseline['train_tasks']} train tasks): "
                     + ", ".join(f"{k} {baseline[k]}" for k in ("n", *REPORTED)))
-        draws = sample(model, tokenizer, heldout, config.draws, temperature)
+        # Line log-probabilities as the door gives its show-gate (at the exploration temperature, whatever the
+        # draw's): greedy draws' own are all 0. Greedy draws of a task are all the same text: one is enough.
+        draws = sample(model, tokenizer, heldout, 1 if temperature <= GREEDY_TEMPERATURE else config.draws,
+                       temperature, gate_temperature=settings.default_temperature)
         sampled_s = round(time.monotonic() - t0, 1)
         for gate_version in [None, *pairs.get(version, [])]:
             gate = None
