@@ -171,7 +171,6 @@ def relative_change(after: float | None, before: float | None) -> float | None:
     return None if after is None or before is None or before == 0 else round(after / before - 1, 4)
 
 
-
 @dataclass(frozen=True)
 class ConfidenceThreshold:
     """A plain server's show rule, no learning: show a line when the model's mean token probability on it,
