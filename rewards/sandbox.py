@@ -1400,8 +1400,9 @@ def _main(cfg):
     sys.modules["__main__"] = main
     sys.argv = ["tests.py"]
     ran_unittest = []
-    import unittest
-    unittest.main = _unittest_main(ran_unittest)
+    if "unittest" in used:  # imported only for tests that use it: a module of its own costs every run its import
+        import unittest
+        unittest.main = _unittest_main(ran_unittest)
     try:
         exec(tests, main.__dict__)
         _run_uncalled_tests(loaded, main.__dict__, ran_unittest)
@@ -1423,13 +1424,12 @@ def _run_uncalled_tests(named, namespace, ran_unittest):
     # pytest's way, for tests written in it: each test_* function the tests define and never name themselves
     # (``named``: the globals their code loads) is called, and, unless unittest.main() ran, each TestCase class
     # they define is run.
-    import unittest
-
     for name, value in list(namespace.items()):
         if (name.startswith("test") and name not in named and isinstance(value, types.FunctionType)
                 and value.__code__.co_filename == "tests.py" and value.__code__.co_argcount == 0):
             value()
-    if not ran_unittest:
+    unittest = sys.modules.get("unittest")  # not imported: the tests define no TestCase
+    if unittest is not None and not ran_unittest:
         cases = [v for v in namespace.values() if isinstance(v, type) and issubclass(v, unittest.TestCase)
                  and v.__module__ == "__main__"]
         if cases:
