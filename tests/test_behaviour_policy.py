@@ -190,7 +190,7 @@ def test_event_trains_the_tokens_shown_plus_the_one_that_ended_them(tiny_model, 
     assert (event["completion_text"], event["completion_token_ids"]) == ("x = 1", [11, 12, tok.eos_token_id])
     # End of sequence first: an empty completion of one token, which the join makes an IGNORED episode.
     engine = ScriptedEngine(tok, [(tok.eos_token_id, "")])
-    run, event  # the coin below is this run's = run_completion(engine, {"prompt": "a = 0\n", "max_tokens": 8}, settings)
+    run, event = run_completion(engine, {"prompt": "a = 0\n", "max_tokens": 8}, settings)  # its coin: below
     assert (event["completion_text"], event["completion_token_ids"], event["aborted"]) == \
         ("", [tok.eos_token_id], False)
     # No temperature sent: greedy, or an exploration sample at 0.7 where the coin says so (its id decides).
