@@ -86,6 +86,39 @@ def broker_answers(settings: Settings, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def wait_for_kafka(settings: Settings, timeout_s: float, *, topics: Iterable[str] = (),
+                   poll_s: float = 1.0, say: Callable[[str], None] | None = None) -> float:
+    """Until a broker at the bootstrap answers a metadata request listing every topic in ``topics``: how
+    services started together (a compose stack) wait for the broker and the topic catalog themselves, with
+    no engine's health checks or start conditions. Returns the seconds waited; ``KafkaUnavailable`` naming
+    what was still missing after ``timeout_s``."""
+    wanted = set(topics)
+    started = time.monotonic()
+    deadline = started + timeout_s
+    admin = AdminClient({**_client_config(settings), "socket.connection.setup.timeout.ms": 1000, "log_level": 0})
+    missing: set[str] | None = None  # None: no broker answered yet
+    said = ""
+    while True:
+        try:
+            present = set(admin.list_topics(timeout=min(2.0, max(0.1, deadline - time.monotonic()))).topics)
+            missing = wanted - present
+            if not missing:
+                return time.monotonic() - started
+            state = f"the broker answers; waiting for the topics {', '.join(sorted(missing))}"
+        except KafkaException:
+            missing = None
+            state = f"waiting for a broker at {settings.kafka_bootstrap}"
+        if say is not None and state != said:
+            say(state)
+            said = state
+        if time.monotonic() >= deadline:
+            what = (f"no Kafka broker answered at {settings.kafka_bootstrap}" if missing is None else
+                    f"the broker at {settings.kafka_bootstrap} answers but the topics {', '.join(sorted(missing))} "
+                    "do not exist (`tabloop topics create` makes them)")
+            raise KafkaUnavailable(f"{what} after waiting {timeout_s:g} s (TABLOOP_KAFKA_WAIT_S)")
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
 # -- producing ----------------------------------------------------------------
 
 

@@ -41,6 +41,10 @@ class Settings(BaseModel):
     topic_partitions: int = Field(6, ge=1, le=1000, description="partitions of the event topics")
     topic_replication: int = Field(1, ge=1, le=32, description="replication factor of every topic")
     kafka_heap: str = Field("512m", description="JVM heap of the local broker (-Xmx)")
+    kafka_wait_s: float = Field(0.0, ge=0, le=3600, description="in a container (python -m infra.wait, the "
+                                "compose CPU profile's entrypoint): wait this long at start for the broker to "
+                                "answer and, for every command but `topics`, the catalog's topics to exist, then "
+                                "give up with an error naming what was missing; 0: start at once")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     demo_minutes: float = Field(8.0, gt=0, le=600, description="pretraining budget of the demo model (TABLOOP_MODEL=demo)")
 
