@@ -15,12 +15,16 @@ touches (tests/test_streams*.py, the fault drills). ``StreamsApp`` wires them in
   (``ListedHighwatersThread``; no upstream report found for these two).
 - ``dead_producers``: aiokafka's sender routine dies for good on an unexpected error and every later send
   waits forever (aio-libs/aiokafka#907 shows the same "Unexpected error in sender routine").
+- ``SeekSafeConsumer.on_partitions_revoked`` and ``SourceBoundTransactions.on_rebalance``: nothing
+  uncommitted outlives a rebalance (Faust forgets the acks before it commits; the open transaction of a
+  partition the worker keeps then went on and took the re-read input's output a second time: issue 44).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import defaultdict
 
 import faust
@@ -29,8 +33,39 @@ from faust import current_event
 from faust.transport.consumer import TransactionManager
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
+from faust.transport.drivers.aiokafka import Producer as AIOKafkaProducer
 
 log = logging.getLogger("tabloop.streams")
+EXIT_UNCOMMITTED_AT_REBALANCE = 76
+"""The worker's exit code when a rebalance finds work it could not commit (``exit_for_a_clean_start``)."""
+TRANSACTION_TIMEOUT_S = 30.0
+"""How long the broker lets a transaction of the worker stay open before it aborts it (aiokafka's default is
+60 s). A transaction lives one commit interval (0.5 s) when all is well; one left open by a worker that
+was killed, paused or cut off holds every read_committed reader of its partitions (the trainer, the
+history sink) behind it until its worker's successor fences it or the broker times it out: this bounds
+that wait. It must stay above the longest a healthy commit can take (a broker that is back but slow)."""
+REVOKE_COMMIT_TIMEOUT_S = 20.0
+"""How long the commit before a rebalance may take (a broker that is back but slow) before the worker gives
+up on it and exits: under the broker's rebalance timeout, which would otherwise expel the worker."""
+
+
+def exit_for_a_clean_start(why: str) -> None:
+    """Exit at once, as a SIGKILL would, because this process holds state it cannot roll back: table entries
+    and an open transaction's output from input it is about to read again. The worker the supervisor starts
+    next fences this one's transactional producers (the broker aborts their open transactions), restores its
+    tables from what was committed and reads from the committed offsets: nothing lost, nothing twice."""
+    log.error("%s; exiting with code %d for a fresh worker to start from what was committed", why,
+              EXIT_UNCOMMITTED_AT_REBALANCE)
+    logging.shutdown()
+    os._exit(EXIT_UNCOMMITTED_AT_REBALANCE)
+
+
+def transaction_has_output(kafka_producer) -> bool:
+    """Whether an aiokafka transactional producer's open transaction holds anything: records sent (their
+    partitions added or being added) or offsets sent to it. Reads aiokafka's transaction manager (0.14)."""
+    txn = getattr(kafka_producer, "_txn_manager", None)
+    return txn is not None and bool(txn._txn_partitions or txn._pending_txn_partitions
+                                    or txn._pending_txn_offsets or txn._txn_consumer_group)
 
 
 def dead_producers(producer) -> list[str]:
@@ -90,6 +125,10 @@ class ChangelogWrites:
     def drop(self, transactional_ids) -> None:
         for tid in transactional_ids:
             self._by_transaction.pop(tid, None)
+
+    def pending(self, transactional_id) -> bool:
+        """Whether this transaction has table changes waiting for its commit."""
+        return bool(self._by_transaction.get(transactional_id))
 
 
 async def send_raw(app: faust.App, topic: str, key: bytes, value: bytes | None) -> None:
@@ -156,10 +195,37 @@ class SourceBoundTransactions(TransactionManager):
             return await super().commit(offsets, start_new_transaction=start_new_transaction)
 
     async def on_rebalance(self, assigned, revoked, newly_assigned) -> None:
-        # Revoked partitions were committed first (Faust's wait_empty): what is left of theirs was never
-        # committed, and its producer is about to stop.
+        """Faust keeps the producer of a partition the worker keeps and "begins" its transaction again, which
+        aiokafka refuses while it is open ("Invalid state transition IN_TRANSACTION -> IN_TRANSACTION",
+        swallowed): the open transaction goes on. The consumer committed before the rebalance
+        (``SeekSafeConsumer.on_partitions_revoked``), so that transaction is empty unless the commit failed;
+        if it holds output, so do the tables, and the partition is about to be read again from its committed
+        offset: only a fresh start rolls both back. A revoked partition's open transaction is aborted by its
+        next owner's producer (the same transactional id fences this one), its table changes are dropped."""
         self.app.tabloop_changes.drop({transactional_id_of(self.app, tp) for tp in revoked})
-        await super().on_rebalance(assigned, revoked, newly_assigned)
+        kept = {transactional_id_of(self.app, tp) for tp in set(assigned) - set(newly_assigned)}
+        producers = self.producer._transaction_producers
+        holding = sorted(tid for tid in kept if (tid in producers and transaction_has_output(producers[tid]))
+                         or self.app.tabloop_changes.pending(tid))
+        if holding:
+            exit_for_a_clean_start(f"a rebalance found uncommitted output in the transactions of {holding}, "
+                                   f"partitions this worker keeps and reads again from their committed offsets")
+        # An empty transaction already open is the one to go on with: not begun again (the warning above).
+        going_on = {tid for tid in kept if tid in producers and producers[tid]._txn_manager is not None
+                    and producers[tid]._txn_manager.is_in_transaction()}
+        await super().on_rebalance({tp for tp in assigned if transactional_id_of(self.app, tp) not in going_on},
+                                   revoked, newly_assigned)
+
+
+class BoundedTransactionsProducer(AIOKafkaProducer):
+    """Faust's aiokafka producer whose transactional producers time out after ``TRANSACTION_TIMEOUT_S``
+    (Faust passes no transaction timeout, so aiokafka's 60 s applied)."""
+
+    def _settings_extra(self):
+        extra = dict(super()._settings_extra())
+        if self.app.in_transaction:
+            extra["transaction_timeout_ms"] = int(TRANSACTION_TIMEOUT_S * 1000)
+        return extra
 
 
 class ListedHighwatersThread(AIOKafkaConsumerThread):
@@ -220,6 +286,30 @@ class SeekSafeConsumer(AIOKafkaConsumer):
         self._handed: dict[int, tuple] = {}  # id(message) -> (tp, epoch) of messages handed on
         self._last_handed: dict = {}  # tp -> (offset, epoch) of the message the fetch loop holds
         self._read_offset = _ReadOffsets(self)
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        """Commit what was processed, then let Faust forget it. Faust drops every revoked partition's acks
+        (all of them: aiokafka's rebalances revoke the whole assignment) before its own commit in
+        ``wait_empty``, which so had nothing to commit: the work done since the last commit stayed in the
+        open transactions, and a partition the worker kept read it again and sent its output a second time
+        (issue 44: episodes twice after a broker outage, and at any rebalance within a commit interval of
+        processing). A commit that fails or hangs leaves state the worker cannot roll back: it exits."""
+        if self.app.in_transaction and revoked:
+            try:
+                await asyncio.wait_for(self._commit_all_acked(), REVOKE_COMMIT_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves uncommitted state behind
+                exit_for_a_clean_start(f"the commit before a rebalance failed ({exc!r})")
+        await super().on_partitions_revoked(revoked)
+
+    async def _commit_all_acked(self) -> None:
+        # A commit already under way (the periodic one) makes ``commit`` wait for it and return: ask again
+        # until nothing acked is left to commit.
+        for _ in range(5):
+            await self.commit()
+            if not self._filter_committable_offsets(list(self._acked)):
+                return
+        raise RuntimeError(f"acked offsets still uncommitted after five commits: "
+                           f"{self._filter_committable_offsets(list(self._acked))}")
 
     def committed_offset(self, tp) -> int | None:
         """The partition's committed offset as this consumer last set or learned it (the next offset to
@@ -402,4 +492,5 @@ class StreamsApp(faust.App):
         transport = super()._new_transport()
         transport.TransactionManager = SourceBoundTransactions
         transport.Consumer = SeekSafeConsumer
+        transport.Producer = BoundedTransactionsProducer
         return transport

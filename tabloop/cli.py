@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -23,8 +24,6 @@ def _settings(ctx: click.Context) -> Settings:
 @click.pass_context
 def main(ctx: click.Context, config_file: str | None) -> None:
     """tabloop: serve code completions, learn from every accept and reject."""
-    from pathlib import Path
-
     try:
         ctx.obj = load_settings(config_file=Path(config_file) if config_file else None)
     except SettingsError as exc:
@@ -617,6 +616,47 @@ def _stop_local_broker(s: Settings) -> None:
         click.echo(f"Kafka on {s.kafka_bootstrap} is not ours: left running")
         return
     click.echo("Kafka stopped" if _broker_call(broker.stop) else "Kafka: none of ours was running")
+
+
+# -- drills -------------------------------------------------------------------
+
+
+@main.group()
+def drill() -> None:
+    """Fault drills against a system of their own (own broker, ports and state dir)."""
+
+
+@drill.command("fuzz")
+@click.option("--seeds", type=click.IntRange(min=0), default=3, show_default=True,
+              help="how many drawn schedules to run")
+@click.option("--first-seed", type=int, default=0, show_default=True, help="the seed of the first schedule")
+@click.option("--named", multiple=True, help="a named schedule to run first (kafka-30s, race-50ms); repeatable")
+@click.option("--load-s", type=click.FloatRange(min=10), default=30.0, show_default=True,
+              help="seconds of simulated Continue load per seed (longer when a fault outlasts it)")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="where the system's state, the load's records and the logs go (default: a new temp dir)")
+@click.option("--model", default=None, help="the model the front door serves (default: a tiny model built here)")
+def drill_fuzz(seeds: int, first_seed: int, named: tuple[str, ...], load_s: float, workdir: Path | None,
+               model: str | None) -> None:
+    """Exactly once under seeded schedules of faults: SIGKILL/SIGSTOP of the components, the broker stopped or
+    paused, a second streams worker joining at any moment. Checks every seed's invariants; exits 1 on any
+    violation, printing the schedule and the command that replays it."""
+    import tempfile
+
+    from tabloop.fuzz import fuzz
+
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="tabloop-fuzz-"))
+    try:
+        runs = fuzz(seeds, first_seed, load_s, workdir, model=model, named=named, echo=click.echo)
+    except ValueError as exc:
+        raise TabloopError(str(exc)) from None
+    failed = [r.seed for r in runs if r.violations]
+    click.echo(json.dumps({"seeds": [r.seed for r in runs], "failed": failed,
+                           "lso_held_s_max": max((r.facts.get("lso_held_s", 0) for r in runs), default=0),
+                           "feedback_without_episode": sum(r.facts.get("feedback_without_episode", 0) for r in runs),
+                           "seconds": round(sum(r.seconds for r in runs), 1)}))
+    if failed:
+        sys.exit(1)
 
 
 # -- benchmarks ---------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -371,3 +372,102 @@ def test_kafka_outage_of_thirty_seconds_loses_nothing_and_the_worker_resumes(kaf
     print(f"worker restarts after the outage: {restarts}")
     assert check(episodes, before, expected) == 0
     assert stalled == {}
+
+
+def publish_steadily(settings, events, per_second: float) -> threading.Thread:
+    """Publish ``events`` from a thread at ``per_second``, as IDEs do: the load goes on through a broker
+    outage (the producer holds what it cannot deliver yet, for up to its delivery timeout)."""
+    def run() -> None:
+        with EventProducer(settings) as producer:
+            start = time.monotonic()
+            for i, e in enumerate(events):
+                time.sleep(max(0.0, start + i / per_second - time.monotonic()))
+                producer.publish(e)
+
+    thread = threading.Thread(target=run, name="steady-load", daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(1800)
+def test_kafka_stopped_thirty_seconds_under_steady_load_commits_no_episode_twice(kafka, tmp_path):
+    """The broker stops for 30 s while events keep coming and the worker is mid-transaction, nothing killed.
+    Before the fix six completions got two committed episodes at neighbouring offsets: the worker's open
+    transaction outlived the rebalance that followed the outage, the worker read its input again from the
+    committed offset, and sent the same episodes a second time into the same transaction (issue 44)."""
+    idle_s = 90  # an outage is not idle time (see the test above)
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
+                             join_lateness_s=LATENESS_S, idle_close_s=idle_s)
+    ensure_topics(settings)
+    events, expected, _ = scenario(seed=17, n_completions=3000, n_feedback=3000)
+    before = episode_ids(settings)
+    worker, restarts = start_worker(settings, "streams-1.log"), 0
+    try:
+        load = publish_steadily(settings, events, per_second=60)
+        collect(settings, before, len(expected) // 8, 300, worker)  # the worker is busy: mid-transaction
+        kafka.stop()
+        time.sleep(30)
+        kafka.start()
+        load.join(300)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            collect(settings, before, len(expected), deadline - time.monotonic(), worker,
+                    grace_s=WINDOW_S + LATENESS_S + idle_s + 10)
+            if worker.poll() is None:
+                break
+            restarts += 1  # what the supervisor does with a worker that exited
+            worker = start_worker(settings, f"streams-{restarts + 1}.log")
+        nothing_left_to_close(settings, LATENESS_S + idle_s + 120)
+        episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+    finally:
+        stop(worker)
+    print(f"worker restarts after the outage: {restarts}")
+    assert check(episodes, before, expected) == 0
+
+
+def wait_for_log(path, text: str, timeout_s: float) -> None:
+    """Until ``text`` is in the log file ``path`` (a worker's own account of what it did)."""
+    wait(lambda: path.exists() and text in path.read_text(errors="replace"), timeout_s, f"{text!r} in {path.name}",
+         poll_s=0.005)
+
+
+@pytest.mark.timeout(1800)
+def test_workers_joining_and_leaving_under_steady_load_commit_no_episode_twice(kafka, tmp_path):
+    """A second worker joins 0-100 ms after the first one's first assignment, and others join and leave while
+    events keep coming: every rebalance lands in the middle of a commit interval's work. Before the fix the
+    worker that kept a partition kept its open transaction too, read the partition again from its committed
+    offset and sent that work's episodes a second time into the same transaction (issue 44)."""
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
+                             join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
+    ensure_topics(settings)
+    join_after_ms = 40
+    events, expected, _ = scenario(seed=19, n_completions=1500, n_feedback=1500)
+    before = episode_ids(settings)
+    load = publish_steadily(settings, events, per_second=60)
+    workers = [start_worker(settings, "streams-1.log")]
+    try:
+        wait_for_log(settings.state_dir / "streams-1.log", "Executing _on_partitions_assigned", 120)
+        time.sleep(join_after_ms / 1000)
+        workers.append(start_worker(settings, "streams-2.log"))
+        time.sleep(15)
+        workers.append(start_worker(settings, "streams-3.log"))
+        time.sleep(10)
+        stop(workers.pop(1))  # the second leaves; the first and third take its partitions over
+        load.join(300)
+        deadline = time.monotonic() + 900
+        restarts = 0
+        while time.monotonic() < deadline:
+            collect(settings, before, len(expected), deadline - time.monotonic(), workers[0])
+            exited = [i for i, w in enumerate(workers) if w.poll() is not None]
+            if not exited:
+                break
+            for i in exited:  # what the supervisor does with a worker that exited
+                restarts += 1
+                workers[i] = start_worker(settings, f"streams-restart-{restarts}.log")
+        nothing_left_to_close(settings, LATENESS_S + IDLE_S + 120)
+        episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+    finally:
+        for w in workers:
+            stop(w)
+    print(f"worker restarts: {restarts}")
+    assert check(episodes, before, expected) == 0

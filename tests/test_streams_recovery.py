@@ -9,14 +9,15 @@ import contextlib
 import types
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from confluent_kafka import Producer
 from confluent_kafka.admin import NewTopic
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 
 from infra.bus import admin_client, ensure_topics
 from streams.app import build_app
-from streams.upstream import ListedHighwatersThread, SeekSafeConsumer, StreamsApp
+from streams.upstream import (TRANSACTION_TIMEOUT_S, ListedHighwatersThread, SeekSafeConsumer, StreamsApp,
+                              transaction_has_output)
 from tests.conftest import make_settings
 from tests.serving_helpers import unique
 from tests.system_helpers import poll
@@ -269,3 +270,46 @@ def test_no_message_is_handed_on_before_the_seek_that_follows_a_rebalance(kafka,
 
     asyncio.run(run())
     assert seen == list(range(20))
+
+
+def test_the_workers_transactions_time_out_after_the_projects_timeout(tmp_path):
+    """A transaction left open (its worker killed, paused or cut off) holds read_committed readers behind it
+    until the broker times it out: the worker's transactional producers ask for TRANSACTION_TIMEOUT_S, not
+    aiokafka's 60 s (issue 44)."""
+    app = build_app(make_settings(tmp_path))
+    app.in_worker = True  # transactions are a worker's: the producer asks for them only there
+
+    async def timeout_ms() -> int:
+        return app.producer._new_producer(transactional_id=unique("tx"))._txn_manager.transaction_timeout_ms
+
+    assert TRANSACTION_TIMEOUT_S < 60
+    assert asyncio.run(timeout_ms()) == int(TRANSACTION_TIMEOUT_S * 1000)
+
+
+@pytest.mark.kafka
+def test_an_open_transaction_holds_output_from_its_first_send_to_its_commit(kafka, tmp_path):
+    """What the rebalance reads to tell whether a kept partition's transaction is empty
+    (``transaction_has_output``), on a real transactional producer."""
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    topic = unique("txn-output")
+    admin = admin_client(settings)  # held: the topic's creation is answered to it
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+
+    async def states() -> list[bool]:
+        producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, transactional_id=unique("tx"))
+        await producer.start()
+        try:
+            await producer.begin_transaction()
+            seen = [transaction_has_output(producer)]
+            await producer.send_and_wait(topic, b"v", partition=0)
+            seen.append(transaction_has_output(producer))
+            await producer.commit_transaction()
+            seen.append(transaction_has_output(producer))
+            await producer.begin_transaction()
+            seen.append(transaction_has_output(producer))
+            await producer.abort_transaction()
+        finally:
+            await producer.stop()
+        return seen
+
+    assert asyncio.run(states()) == [False, True, False, False]
