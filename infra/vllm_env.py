@@ -18,6 +18,7 @@ the engine asks for, ``Settings.vllm_served_model``: one source of truth).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -163,3 +164,65 @@ class VLLMReplica:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, 9)
             self.proc.wait()
+
+
+# -- replicas `tabloop up` manages (engine=vllm with no vllm_urls) ------------------------------------------
+
+MANAGED_SERVED_NAME = "tabloop-base"
+"""The base model's name on a managed replica. Any name serves: the engine asks each replica's /v1/models."""
+
+
+def manages_replicas(settings) -> bool:
+    """Whether `tabloop up` starts the vLLM replicas itself: the vllm engine, and no replicas named."""
+    return settings.engine == "vllm" and not settings.vllm_urls.strip()
+
+
+def managed_urls(settings) -> list[str]:
+    return [f"http://127.0.0.1:{settings.vllm_port + i}" for i in range(settings.vllm_replicas)]
+
+
+def warm_marker(run_dir: Path, index: int) -> Path:
+    """Written by a managed replica's wrapper once the replica answered its first completion (the warm-up: 8-30 s
+    of compilation here); removed when it starts. The supervisor reads a replica as ready only with it."""
+    return run_dir / f"vllm-{index}.warm"
+
+
+def run_managed_replica(settings, model_dir: str, index: int, run_dir: Path, *, say=print) -> int:
+    """`tabloop vllm replica --index N`: replica N on ``vllm_port + N`` in this process group, warmed up with one
+    completion before it is marked ready; its exit code once it ends (SIGTERM ends it with the group)."""
+    python = installed_python(settings.cache_dir)
+    if python is None:
+        raise VLLMInstallError(f"no vLLM environment in {env_dir(settings.cache_dir)}: run `tabloop vllm install` "
+                               "(or `make vllm`) first")
+    marker = warm_marker(run_dir, index)
+    marker.unlink(missing_ok=True)
+    url = managed_urls(settings)[index]
+    cmd = replica_command(python, model_dir, port=settings.vllm_port + index, served_name=MANAGED_SERVED_NAME,
+                          dtype=settings.vllm_dtype)
+    say(f"vLLM replica {index}: {' '.join(cmd)}")
+    proc = subprocess.Popen(cmd, env={**os.environ, **REPLICA_ENV})  # same process group: stopped with it
+    started = time.monotonic()
+    while proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        time.sleep(1.0)
+    if proc.poll() is None:
+        say(f"vLLM replica {index} healthy after {time.monotonic() - started:.0f} s; warming up")
+        request = urllib.request.Request(
+            f"{url}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": MANAGED_SERVED_NAME, "prompt": "def", "max_tokens": 2}).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=300) as resp:
+                resp.read()
+            marker.write_text(f"{proc.pid}\n")
+            say(f"vLLM replica {index} ready at {url} after {time.monotonic() - started:.0f} s")
+        except OSError as exc:
+            say(f"vLLM replica {index}: the warm-up completion failed ({exc}); stopping it")
+            proc.terminate()
+    code = proc.wait()
+    marker.unlink(missing_ok=True)
+    return code

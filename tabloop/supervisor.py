@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Collection, TextIO
 
@@ -37,6 +37,7 @@ import httpx
 from infra.files import PRIVATE_UMASK, log_tail, open_private, private_dir, write_private
 from infra.kafka_broker import pid_alive
 from infra.settings import Settings, to_environ
+from infra.vllm_env import managed_urls, manages_replicas, warm_marker
 
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
@@ -58,12 +59,17 @@ class Component:
     """The `tabloop` subcommand (and its arguments) that runs it."""
     health: str
     """How readiness is probed: ``http`` (the front door's /readyz answers 200), ``group`` (its Kafka
-    consumer group is Stable with at least one member), ``alive`` (running for ``grace_s``)."""
+    consumer group is Stable with at least one member), ``alive`` (running for ``grace_s``), ``vllm`` (a managed
+    vLLM replica: its /health answers 200 and its wrapper marked it warm, ``infra.vllm_env.warm_marker``)."""
     group: str | None = None
     """Its Kafka consumer group: the lag `tabloop status` shows (and readiness when health is ``group``)."""
     grace_s: float = 15.0
     group_setting: str | None = None
     """A setting that names the group instead, when this tabloop has it (e.g. ``trainer_group``)."""
+    waits_for: tuple[str, ...] = ()
+    """Components that must be healthy before this one first starts (the front door waits for its replicas)."""
+    replica: int | None = None
+    """For ``vllm`` health: the managed replica's index (its port is ``vllm_port`` + it)."""
 
     def group_for(self, settings: Settings) -> str | None:
         if self.group_setting and getattr(settings, self.group_setting, None):
@@ -78,6 +84,18 @@ COMPONENTS: tuple[Component, ...] = (
     Component("trainer", ("train",), health="alive", group="tabloop-trainer", group_setting="trainer_group"),
     Component("history", ("history",), health="alive", group="tabloop-history"),
 )
+
+
+def components_for(settings: Settings) -> tuple[Component, ...]:
+    """The components `tabloop up` supervises: with the vllm engine and no replicas named (``vllm_urls``), its
+    vLLM replicas first, each ``tabloop vllm replica --index N``, and a front door that starts once they are
+    warm; otherwise ``COMPONENTS``."""
+    if not manages_replicas(settings):
+        return COMPONENTS
+    replicas = tuple(Component(f"vllm-{i}", ("vllm", "replica", "--index", str(i)), health="vllm", replica=i)
+                     for i in range(settings.vllm_replicas))
+    names = tuple(r.name for r in replicas)
+    return replicas + tuple(replace(c, waits_for=names) if c.name == "serve" else c for c in COMPONENTS)
 
 
 def restart_delay(failures: int, base_s: float = BACKOFF_BASE_S, max_s: float = BACKOFF_MAX_S) -> float:
@@ -410,6 +428,18 @@ class Child:
         return self.state == "healthy"
 
 
+def replica_ready(settings: Settings, run: Path, index: int) -> tuple[bool, str]:
+    """(ready, in words) of managed vLLM replica ``index``: warm (its wrapper's marker) and answering /health."""
+    url = managed_urls(settings)[index]
+    if not warm_marker(run, index).exists():
+        return False, f"{url}: starting or warming up (the first completion compiles)"
+    try:
+        status = httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.HTTPError as exc:
+        return False, f"{url}/health: {exc!r}"
+    return (True, f"{url}/health answers 200") if status == 200 else (False, f"{url}/health answered {status}")
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: its own process group, and SIGTERM when the supervisor dies
     (even by SIGKILL), so no component outlives the supervisor."""
@@ -445,11 +475,16 @@ def usable_cpus() -> int:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, components: tuple[Component, ...] = COMPONENTS, *,
+    def __init__(self, settings: Settings, components: tuple[Component, ...] | None = None, *,
                  out: TextIO | None = None, on_all_healthy: Callable[[], None] | None = None,
                  commands: Collection[str] | None = None):
-        """``commands``: the subcommands this installation has (``tabloop up`` passes its own); a component
-        whose command is not among them is "not installed" and never started. None: all of them are."""
+        """``components``: what to supervise (default ``components_for(settings)``). ``commands``: the
+        subcommands this installation has (``tabloop up`` passes its own); a component whose command is not among
+        them is "not installed" and never started. None: all of them are."""
+        if components is None:
+            components = components_for(settings)
+        if manages_replicas(settings):  # every child (the front door) learns where the replicas are
+            settings = settings.model_copy(update={"vllm_urls": ",".join(managed_urls(settings))})
         installed = [c.name for c in components if commands is None or c.command[0] in commands]
         threads = torch_threads_each(settings, installed, usable_cpus())
         if threads != settings.torch_threads:
@@ -530,12 +565,20 @@ class Supervisor:
                 continue
             if child.proc is not None and child.proc.poll() is not None:
                 self._on_exit(child, now)
-            if child.proc is None and now >= child.next_start:
+            if child.proc is None and now >= child.next_start and self._may_start(child):
                 self._start(child)
         if now - self._last_probe >= PROBE_EVERY_S:
             self._last_probe = now
             self._probe(now)
             self._write_status()
+
+    def _may_start(self, child: Child) -> bool:
+        """A component whose ``waits_for`` are not all healthy yet does not start for the first time."""
+        if child.restarts or child.started_at or not child.component.waits_for:
+            return True
+        waiting = [c for c in self.children if c.component.name in child.component.waits_for and not c.healthy]
+        child.detail = f"waiting for {', '.join(c.component.name for c in waiting)}" if waiting else ""
+        return not waiting
 
     def _start(self, child: Child) -> None:
         c = child.component
@@ -587,6 +630,8 @@ class Supervisor:
             elif c.health == "group":
                 ready, detail = self.probes.group_ready(c.group_for(self.settings), child.members_before)
                 kafka_said, ready = ready is not None, bool(ready)
+            elif c.health == "vllm":
+                ready, detail = replica_ready(self.settings, self.run_dir, c.replica)
             else:
                 ran = now - child.started_at
                 ready = ran >= c.grace_s
@@ -604,7 +649,7 @@ class Supervisor:
                 child.state = "starting" if child.ready_since is None else "unhealthy"
                 # Alive but not doing its job: the front door not answering, or a worker that left its
                 # consumer group and never came back (seen after a Kafka outage).
-                if (c.health in ("http", "group") and child.ready_since is not None
+                if (c.health in ("http", "group", "vllm") and child.ready_since is not None
                         and now - child.unready_since >= HUNG_RESTART_S):
                     self.note(f"{c.name} has been unhealthy for {HUNG_RESTART_S:.0f}s ({detail}); restarting it")
                     self._kill(child)

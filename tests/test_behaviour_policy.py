@@ -1,5 +1,5 @@
 """The behaviour policy the engines record is the distribution they sample from, and the exploration rule
-that picks it; the trainer recomputes the same quantity (``trainer.losses.sampling_log_probs``)."""
+that picks it; the trainer recomputes the same quantity (``policy.sampling.sampling_log_probs``)."""
 
 from __future__ import annotations
 

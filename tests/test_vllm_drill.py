@@ -200,3 +200,45 @@ def test_continue_shaped_requests_through_the_front_door_to_vllm(vllm_url, kafka
             assert all(lp <= 0.0 for lp in r["completion_logprobs"])
     finally:
         server.stop()
+
+
+@pytest.mark.kafka
+def test_up_with_the_vllm_engine_serves_from_a_replica_it_supervises_and_down_stops_it(tiny_model, tmp_path):
+    """`tabloop up --engine vllm` as the README says: tabloop starts its own replica (warm before ready), the
+    front door serves a Continue-shaped completion from it, `tabloop status` shows it, `tabloop down` leaves
+    nothing running (issue 43)."""
+    import re
+
+    import openai
+
+    from infra.kafka_broker import free_port
+    from infra.settings import load_settings
+    from infra.vllm_env import env_dir, installed_python
+    from tests.system_helpers import cli, processes_of, row, status
+    from tests.test_continue_contract import continue_prompt
+
+    cache_dir = load_settings(environ=dict(os.environ)).cache_dir
+    if installed_python(cache_dir) is None:
+        pytest.skip(f"no vLLM environment in {env_dir(cache_dir)}: `make vllm` (or `tabloop vllm install`) makes it")
+    state = tmp_path / "state"
+    settings = make_settings(state, kafka_bootstrap=f"127.0.0.1:{free_port()}", completions_port=free_port(),
+                             feedback_port=free_port(), history_port=free_port(), vllm_port=free_port(),
+                             model=tiny_model, cache_dir=str(cache_dir))
+    try:
+        up = cli(settings, "up", "--engine", "vllm", timeout=900)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        st = status(settings)
+        assert row(st, "vllm-0")["healthy"] and row(st, "serve")["healthy"], st
+        key = re.search(r"API key \(project 'local'; shown once, only its hash is kept\): (\S+)", up.stdout).group(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{settings.completions_port}/v1", api_key=key,
+                               max_retries=0, timeout=120)
+        prompt = continue_prompt("def add(a, b):\n    return", "src/add.py")
+        answer = client.completions.create(model="qwen2.5-coder-1.5b", prompt=prompt, max_tokens=8, temperature=0.01,
+                                           stop=["\n\n"])
+        assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens >= 1
+        replica_log = (state / "logs" / "vllm-0.log").read_text(errors="replace")
+        assert "ready at" in replica_log and replica_log.count("POST /v1/completions") >= 2  # warm-up, then ours
+    finally:
+        down = cli(settings, "down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert processes_of(state) == []

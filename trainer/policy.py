@@ -14,7 +14,7 @@ offline validation from GRPO or RLOO over k samples of a prompt.
 
 The importance ratio compares like with like: the behaviour logprob is the
 log-probability of the served token under the distribution the sampler drew it
-from (softmax(z/T) cut to the top-p nucleus, ``losses.sampling_log_probs``),
+from (softmax(z/T) cut to the top-p nucleus, ``policy.sampling.sampling_log_probs``),
 and the update recomputes the current policy's log-probability with the same
 transform at the sample's temperature and top-p. At version 0 the ratio is
 then exactly 1 and a constant advantage has zero expected gradient. Greedy

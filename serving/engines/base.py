@@ -28,7 +28,7 @@ class TokenStep:
     """One generated token: its id, its behaviour logprob, its text.
 
     ``logprob`` is log π of the token under the distribution it was drawn from — the request's temperature
-    and top-p nucleus, ``trainer.losses.sampling_log_probs`` (0.0 for greedy: a point mass) — which is what
+    and top-p nucleus, ``policy.sampling.sampling_log_probs`` (0.0 for greedy: a point mass) — which is what
     the trainer's importance ratio divides by, not the temperature-1 log-softmax."""
 
     token_id: int

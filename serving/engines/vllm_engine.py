@@ -6,7 +6,7 @@ Each request asks for the sampled tokens' ids and logprobs (``return_token_ids``
 ``tabloop serve`` replica).
 
 The behaviour logprob must be of the distribution the token was drawn from
-(temperature, top-p: ``trainer.losses.sampling_log_probs``). vLLM returns, by
+(temperature, top-p: ``policy.sampling.sampling_log_probs``). vLLM returns, by
 default, the *raw* logprobs (temperature 1, before top-p), and which ones it
 returns is a server option, not a request field: run the replicas with
 ``vllm serve … --logprobs-mode processed_logprobs`` (vLLM ≥ 0.10.2), which
