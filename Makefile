@@ -25,8 +25,9 @@ install: $(STAMP)
 kafka-jars: install
 	$(BIN)/tabloop kafka fetch
 
+# `make up ENGINE=vllm`: the front door over vLLM replicas tabloop installs and supervises (README).
 up: kafka-jars
-	$(BIN)/tabloop up
+	$(BIN)/tabloop up $(if $(ENGINE),--engine $(ENGINE))
 
 down: install
 	$(BIN)/tabloop down
