@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from infra.bus import read_topic
-from infra.kafka_broker import LocalKafka, free_port
+from infra.kafka_broker import ABORT_CHECK_S, LocalKafka, free_port
 from infra.settings import Settings, load_settings, to_environ
 from schemas.topics import COMPLETIONS, DEADLETTER, EPISODES, FEEDBACK, WEIGHTS
 from streams.upstream import TRANSACTION_TIMEOUT_S
@@ -48,14 +48,11 @@ from streams.upstream import TRANSACTION_TIMEOUT_S
 FAULT_KINDS = ("kill", "pause", "kafka_stop", "kafka_pause", "join", "join_race")
 KIND_WEIGHTS = (4, 2, 2, 1, 2, 2)
 TARGETS = ("serve", "streams", "history", "trainer")
-ABORT_CHECK_S = 10.0
-"""The broker's ``transaction.abort.timed.out.transaction.cleanup.interval.ms`` (10 s by default): a timed-out
-transaction is aborted up to this long after its timeout."""
 LSO_HOLD_LIMIT_S = TRANSACTION_TIMEOUT_S + ABORT_CHECK_S + 10.0
 """The longest a read_committed reader may wait: a transaction left open times out ``TRANSACTION_TIMEOUT_S`` after
-it began, the broker aborts it at its next check, and the monitor sees it at its next sample (1 s, 2 s more when
-the broker is slow to answer); the rest is slack for a loaded machine. With aiokafka's 60 s the old worker's
-readers waited 57-60 s under the same faults."""
+it began, the broker aborts it at its next check (``ABORT_CHECK_S``: the local broker's), and the monitor sees it
+at its next sample (1 s, 2 s more when the broker is slow to answer); the rest is slack for a loaded machine.
+With aiokafka's 60 s and Kafka's 10 s check the old worker's readers waited 57-60 s under the same faults."""
 HISTORY_TABLES = {COMPLETIONS.name: "completions", FEEDBACK.name: "feedback", EPISODES.name: "episodes",
                   WEIGHTS.name: "weights", DEADLETTER.name: "deadletter"}
 ASSIGNED_LINE = "Executing _on_partitions_assigned"
