@@ -244,7 +244,7 @@ class FuzzSystem:
             raise RuntimeError(f"tabloop up failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
     def down(self) -> None:
-        for proc in self.extra_workers:
+        for proc in list(self.extra_workers):
             self.stop_worker(proc)
         self.cli("down", timeout=180)
 
@@ -292,9 +292,19 @@ class FuzzSystem:
         if proc in self.extra_workers:
             self.extra_workers.remove(proc)
 
-    def assignments_in_log(self) -> int:
+    def streams_log_end(self) -> int:
         log = self.state / "logs" / "streams.log"
-        return log.read_text(errors="replace").count(ASSIGNED_LINE) if log.exists() else 0
+        return log.stat().st_size if log.exists() else 0
+
+    def assigned_since(self, offset: int) -> bool:
+        """Whether the supervised streams worker's log says an assignment reached it after byte ``offset`` (read
+        from there only: a worker's log grows to megabytes during an outage, and this is polled every 5 ms)."""
+        log = self.state / "logs" / "streams.log"
+        if not log.exists():
+            return False
+        with open(log, "rb") as f:
+            f.seek(offset)
+            return ASSIGNED_LINE.encode() in f.read()
 
     def history_count(self, table: str) -> int | None:
         done = self.cli("sql", f"SELECT uniqExact(event_id) AS u FROM tabloop.{table} FINAL", "--format", "json")
@@ -340,11 +350,11 @@ def apply(system: FuzzSystem, fault: Fault, say: Callable[[str], None], seq: int
         system.stop_worker(proc)
         say(f"the second streams worker (pid {proc.pid}) left")
     else:  # join_race: the supervised worker restarts; a second one starts right after its first assignment
-        before = system.assignments_in_log()
+        before = system.streams_log_end()
         pid = system.component("streams").get("pid")
         if pid:
             os.kill(pid, signal.SIGKILL)
-        if not system.wait_for(lambda: system.assignments_in_log() > before, 120, poll_s=0.005):
+        if not system.wait_for(lambda: system.assigned_since(before), 120, poll_s=0.005):
             say("the restarted streams worker got no assignment in 120 s")
             return
         time.sleep(fault.delay_ms / 1000)
