@@ -35,7 +35,7 @@ GREEDY = 0.0
 """The temperature a request the coin leaves alone is served at: the argmax (``policy.sampling``)."""
 COIN_SALT = "tabloop-explore"
 """Keeps the coin independent of other hashes of the completion id (the promotion gate's held-out share,
-``trainer.gate.in_gate_holdout``, hashes the bare id: a shared hash would hold out exactly the explored
+``trainer.promotion.in_gate_holdout``, hashes the bare id: a shared hash would hold out exactly the explored
 episodes, or none of them)."""
 
 

@@ -3,7 +3,7 @@
 Apart from ``policy.models`` (loading any model) because the named ones are built by modules that load
 models themselves: ``policy.smollm2`` converts the packaged SmolLM2 (built here on first use), and
 ``trainer.proof.demo_model`` pretrains the demo model — proof-of-learning code above this floor, so the
-demo model is built by ``trainer.named_models.build_named_model`` (which ``tabloop up``, ``serve``,
+demo model is built by ``trainer.build_models.build_named_model`` (which ``tabloop up``, ``serve``,
 ``train`` and the benches call first) and only found here.
 """
 
@@ -32,7 +32,7 @@ def resolve_model_spec(settings) -> str:
 
     ``smollm2`` (``policy.smollm2``) is fetched once from PyPI into the cache dir and converted (about a
     minute, progress on stderr) on first use. ``demo`` must have been built already (its pretraining is the
-    trainer's: ``trainer.named_models.build_named_model``); if it was not, a clear error says how.
+    trainer's: ``trainer.build_models.build_named_model``); if it was not, a clear error says how.
     """
     from policy.smollm2 import PACKAGED_MODELS, build_packaged_model, packaged_marker
 

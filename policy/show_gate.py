@@ -214,7 +214,7 @@ def choose_threshold(scores: Sequence[float], accepted_chars: Sequence[float], w
 
 @dataclass(frozen=True)
 class Decided:
-    """One decided line as the learner needs it (from an Episode: see ``trainer/show_gate.py``)."""
+    """One decided line as the learner needs it (from an Episode: see ``trainer/show_gate_learner.py``)."""
 
     features: tuple[float, ...]
     accepted: bool

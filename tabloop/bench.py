@@ -177,7 +177,7 @@ def bench_adapters(settings: Settings, *, rows: int = 8, adapters: int = 4, prom
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from policy.models import CachedDecoder, load_model, lora_target_modules, use_torch_threads
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
 
     use_torch_threads(settings.torch_threads)
     spec = build_named_model(settings)
@@ -233,7 +233,7 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
     from serving.engines.base import GenerationRequest
     from policy.fim import QWEN_STOP_WORDS, build_fim_prompt
     from serving.engines import make_engine
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures
     with scratch_dir("tabloop-bench-serving-") as state:

@@ -402,7 +402,7 @@ def _click():
         from infra.errors import TabloopError
         from policy.models import use_torch_threads
         from tabloop.loop_bench import resolve_model
-        from trainer.named_models import build_named_model
+        from trainer.build_models import build_named_model
 
         settings = ctx.find_root().obj
         use_torch_threads(settings.torch_threads)

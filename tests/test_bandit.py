@@ -27,7 +27,7 @@ import torch
 from infra.settings import Settings
 from rewards.spec import RewardSpec, acceptance_reward
 from trainer.losses import BaselineState, baseline_advantages
-from trainer.policy import PolicyTrainer, Sample, UpdateConfig, sample_completions
+from trainer.learner import PolicyTrainer, Sample, UpdateConfig, sample_completions
 
 EOS, SHOW = 0, 1
 KINDS = {2: 0.6, 3: 0.35, 4: 0.1}

@@ -12,7 +12,7 @@ from tests.conftest import make_settings
 from trainer.proof.demo_model import (DemoConfig, build_demo_model, collate, fim_sequence, lr_at_progress, new_model,
                                 training_progress)
 from policy.models import MODEL_MARKER, load_model
-from trainer.named_models import build_named_model
+from trainer.build_models import build_named_model
 
 SPECIAL = {"prefix": 3, "middle": 4, "suffix": 5}
 EOS = 0

@@ -46,7 +46,7 @@ def test_the_coin_by_hand():
         explores("c", 1.5)
     # Over many ids the share explores; another seed explores other ids; the promotion gate's held-out hash
     # (the bare id) is independent of it (a shared hash would hold out exactly the explored episodes).
-    from trainer.gate import in_gate_holdout
+    from trainer.promotion import in_gate_holdout
 
     ids = [f"cmpl-{i}" for i in range(4000)]
     picked = [explores(c, 0.25, 0) for c in ids]
@@ -109,7 +109,7 @@ def test_the_show_gate_reads_a_greedy_episodes_logprobs_at_the_exploration_tempe
     at the exploration temperature the door scored it on, the same scale as an explored episode's."""
     from policy.show_gate import line_features
     from schemas.events import new_event
-    from trainer.show_gate import decided_from_episode
+    from trainer.show_gate_learner import decided_from_episode
 
     fields = dict(completion_id="c", project_id="p", user_id="u", policy_version=0, prompt="x = ",
                   completion_text="foo()", completion_token_ids=[1, 2, 3], outcome="ACCEPTED", reward=0.75,

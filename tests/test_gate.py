@@ -1,4 +1,4 @@
-"""The promotion gate's pure parts (trainer/gate.py), the trainer's staleness exception for the serving
+"""The promotion gate's pure parts (trainer/promotion.py), the trainer's staleness exception for the serving
 version, and the history's version_estimates view; tests/test_gate_trainer.py runs the gate in a real
 trainer on the real broker."""
 
@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from schemas.events import new_event
-from trainer.gate import GateDecision, HeldOutPool, estimate_metrics, gate_decision, in_gate_holdout
+from trainer.promotion import GateDecision, HeldOutPool, estimate_metrics, gate_decision, in_gate_holdout
 
 
 def test_the_holdout_is_a_stable_share_of_completion_ids():

@@ -1,4 +1,4 @@
-"""The trainer's show-gate learner (trainer/show_gate.py): decided lines from episodes, the off-policy estimate
+"""The trainer's show-gate learner (trainer/show_gate_learner.py): decided lines from episodes, the off-policy estimate
 of a candidate by hand, when a gate is fit and published, and on a real broker: episodes in, a PROMOTED gate
 version out, a restart that does not republish, and `tabloop gates rollback`."""
 
@@ -17,7 +17,7 @@ from schemas.events import new_event
 from rewards.spec import RewardSpec, RewardSpecs
 from tests.conftest import make_settings
 from trainer.episodes import drop_reason
-from trainer.show_gate import (GateLearner, decided_from_episode, estimate_show_rule, evaluate_candidate,
+from trainer.show_gate_learner import (GateLearner, decided_from_episode, estimate_show_rule, evaluate_candidate,
                                expected_keep, promotion, restated, weighted_auc)
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
@@ -301,7 +301,7 @@ def test_episodes_in_a_promoted_gate_out_a_restart_quiet_and_a_rollback(own_kafk
     from infra.settings import to_environ
     from tabloop.cli import main
     from tests.system_helpers import wait
-    from trainer.show_gate import GateLearnerThread
+    from trainer.show_gate_learner import GateLearnerThread
 
     settings = make_settings(tmp_path, kafka_bootstrap=own_kafka.settings.kafka_bootstrap, gate_min_decided=50,
                              gate_refit_every=20)
@@ -385,7 +385,7 @@ def test_while_no_gate_serves_a_candidate_is_tried_on_every_new_line(tmp_path):
 
 
 def test_fit_due_by_hand():
-    from trainer.show_gate import fit_due
+    from trainer.show_gate_learner import fit_due
 
     rule = dict(min_decided=50, refit_every=20)
     assert not fit_due(49, 49, serving=False, **rule)  # too few lines

@@ -36,7 +36,7 @@ def test_the_replay_fits_first_at_min_decided_then_every_refit_and_serves_what_i
     assert after and after[-1]["at"] - first["at"] > after[-1]["decided"] - first["decided"]
     # What it explored below the threshold is weighted by 1 / ε: the weights are no longer all 1.
     assert after[-1]["metrics"]["ess"] < after[-1]["decided"]
-    # Every decision is the one `trainer.show_gate.promotion` gave, its reason with it.
+    # Every decision is the one `trainer.show_gate_learner.promotion` gave, its reason with it.
     assert all(f["status"] in ("PROMOTED", "ROLLED_BACK") and f["reason"] for f in fits)
 
 

@@ -14,7 +14,7 @@ from schemas.events import new_event
 from schemas.topics import WEIGHTS
 from tests.serving_helpers import find_events
 from tests.test_trainer_online import produce, setup, train_once  # noqa: F401  (setup is a fixture)
-from trainer.gate import in_gate_holdout
+from trainer.promotion import in_gate_holdout
 
 pytestmark = pytest.mark.kafka
 
@@ -24,7 +24,7 @@ SHARE = 0.5
 def _episodes(tok, base: str, n: int, *, held_out_accepts_a: bool) -> tuple[list, int]:
     """(events, how many of them are held out): training episodes reward A, held-out ones as asked."""
     from policy.models import load_model
-    from trainer.policy import PolicyTrainer, Sample, UpdateConfig
+    from trainer.learner import PolicyTrainer, Sample, UpdateConfig
 
     model, _ = load_model(base)
     scorer = PolicyTrainer(model, tok, UpdateConfig(), full=True)

@@ -178,7 +178,7 @@ def test_learning_with_the_exact_scorer(tiny_model, algo, one_thread):
     8 samples × 8 prompts per update, full fine-tuning. Margin: mean group reward over the last 5 of 20
     updates beats the first 5 by at least 0.3 (seen: 0.23 → 0.9 for both algorithms)."""
     from policy.models import load_model
-    from trainer.policy import PolicyTrainer, UpdateConfig
+    from trainer.learner import PolicyTrainer, UpdateConfig
 
     torch.manual_seed(0)
     model, tok = load_model(tiny_model)

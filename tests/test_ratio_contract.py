@@ -17,7 +17,7 @@ import pytest
 from serving.engines.base import GenerationRequest
 from serving.engines.transformers_engine import TransformersEngine
 from policy.models import load_model
-from trainer.policy import PolicyTrainer, Sample, UpdateConfig
+from trainer.learner import PolicyTrainer, Sample, UpdateConfig
 
 
 async def _serve(engine, requests):
@@ -59,7 +59,7 @@ def test_the_offline_sampler_records_what_the_trainer_recomputes(tiny_model, lor
     """
     import torch
 
-    from trainer.policy import sample_completions
+    from trainer.learner import sample_completions
 
     model, tok = load_model(tiny_model)
     trainer = PolicyTrainer(model, tok, UpdateConfig(), full=not lora, seed=0)

@@ -9,7 +9,7 @@ import torch
 
 from trainer.losses import BaselineState, baseline_advantages
 from policy.models import load_model
-from trainer.policy import PolicyTrainer, Sample, UpdateConfig, make_sample, sample_completions
+from trainer.learner import PolicyTrainer, Sample, UpdateConfig, make_sample, sample_completions
 from policy.weight_store import (Manifest, WeightStore, WeightStoreError, files_sha256, fold_statuses,
                                   promoted_version, version_event)
 
@@ -284,7 +284,7 @@ def test_a_model_that_ignores_logits_to_keep_is_read_at_the_right_positions(tiny
     got = PolicyTrainer(_IgnoresLogitsToKeep(model), tok, UpdateConfig(), full=True).sequence_logprobs(samples)
     for w, g in zip(want, got):
         assert g == pytest.approx(w, abs=1e-5)
-    from trainer.policy import kept_logits
+    from trainer.learner import kept_logits
 
     with pytest.raises(RuntimeError, match="logits_to_keep"):
         kept_logits(torch.zeros((1, 5, 3)), 3, 9)

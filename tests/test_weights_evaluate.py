@@ -19,7 +19,7 @@ def publish_sampled_episodes(settings, model_dir: str, project: str, n: int = 24
     from infra.bus import EventProducer, ensure_topics
     from schemas.events import new_event
     from policy.models import load_model
-    from trainer.policy import sample_completions
+    from trainer.learner import sample_completions
 
     model, tok = load_model(model_dir)
     prompts = [tok.encode(f"def f{i}(x):\n    return x + {i}", add_special_tokens=False) for i in range(n)]
@@ -53,7 +53,7 @@ def test_evaluate_the_serving_policy_gives_its_logged_rates_and_another_one_is_w
                                                                                        tmp_path):
     from policy.models import load_model
     from trainer.ope import LoggedOutcome, estimate
-    from trainer.policy import PolicyTrainer, Sample, UpdateConfig
+    from trainer.learner import PolicyTrainer, Sample, UpdateConfig
 
     settings = make_settings(tmp_path, kafka_bootstrap=kafka.bootstrap, model=tiny_model)
     project = f"ope-{uuid.uuid4().hex[:8]}"

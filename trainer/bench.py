@@ -31,7 +31,7 @@ def _model(shape: str, settings, device: str, full: bool):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from policy.models import load_model
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
 
     if shape == "tiny":
         return load_model(build_named_model(settings), device=device, dtype="float32")
@@ -63,7 +63,7 @@ def _peak(device: str, given: float | None) -> float | None:
 def bench_trainer(settings, *, model_shape: str = "tiny", modes=("lora", "full"), batch: int = 16,
                   micro_batch: int = 8, prompt_tokens: int = 256, completion_tokens: int = 32, updates: int = 5,
                   device: str = "auto", peak_tflops: float | None = None) -> dict:
-    from trainer.policy import PolicyTrainer, Sample, UpdateConfig, describe_device
+    from trainer.learner import PolicyTrainer, Sample, UpdateConfig, describe_device
 
     device = describe_device(device)
     result: dict = {"bench": "trainer", "model_shape": model_shape, "device": device, "batch": batch,

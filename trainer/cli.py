@@ -68,7 +68,7 @@ def weights() -> None:
 
 
 def _store_and_records(settings):
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
     from policy.weight_store import WeightStore, read_weight_records
 
     base = build_named_model(settings)
@@ -202,7 +202,7 @@ def weights_rollback(ctx: click.Context, version: int | None, project: str) -> N
 
 @click.group()
 def gates() -> None:
-    """Show-gate versions (trainer/show_gate.py): list them, roll one back. The front door follows, per project,
+    """Show-gate versions (trainer/show_gate_learner.py): list them, roll one back. The front door follows, per project,
     its newest PROMOTED gate not rolled back, else the shared one."""
 
 
@@ -271,7 +271,7 @@ def gates_rollback(ctx: click.Context, version: int, project: str) -> None:
     """Publish VERSION as ROLLED_BACK: the door goes back to the project's gate promoted before it, else the
     shared gate, else shows everything."""
     from policy.show_gate import latest_statuses, serving_gate_record
-    from trainer.show_gate import restated
+    from trainer.show_gate_learner import restated
 
     settings = _settings(ctx)
     records = read_gate_records(settings)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from policy.sampling import GREEDY_TEMPERATURE
 from schemas.token_ids import prompt_ids
-from trainer.policy import Sample, make_sample
+from trainer.learner import Sample, make_sample
 
 
 def episode_sampler(episode: dict) -> tuple[float, float]:
@@ -42,13 +42,13 @@ def drop_reason(episode: dict, current_version: int, max_staleness: int, serving
     supervised target: reward-weighted likelihood of the argmax moves the policy towards its own mode
     whatever the alternatives earn, an objective of its own, not the one PPO estimates. So greedy episodes
     are left out of the policy gradient and of the reward baseline (the baseline is the mean reward of the
-    samples it centres), and only counted; the show-gate's learner does learn from them (trainer/show_gate.py):
+    samples it centres), and only counted; the show-gate's learner does learn from them (trainer/show_gate_learner.py):
     its decision, show or not, was drawn with a recorded probability whichever branch served the text.
 
     "gate_hidden": the show-gate hid the completion (``gate_shown`` false). The model did not choose to show
     nothing, the gate did, over a line the user never saw: trained as an abstention it would teach the model
     to end its completions where the gate, not the user, said no (the gate learns from these in
-    trainer/show_gate.py).
+    trainer/show_gate_learner.py).
 
     ``staleness_of(version)``: how many versions old ``version`` is (default ``current_version - version``;
     with a policy per project, the shared policy's versions since, as projects' versions share the numbers).

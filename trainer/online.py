@@ -54,11 +54,11 @@ from infra.settings import Settings
 from schemas.topics import EPISODES, WEIGHTS
 from trainer.canary import BASELINE_VERSION, CANARY_SHARE, CanaryTally
 from trainer.episodes import drop_reason, episode_sample, episode_sampler
-from trainer.gate import (OPE_PREFIX, GateDecision, HeldOutPool, estimate_metrics, gate_decision, gate_reward,
+from trainer.promotion import (OPE_PREFIX, GateDecision, HeldOutPool, estimate_metrics, gate_decision, gate_reward,
                           in_gate_holdout)
 from trainer.head_feed import HeadFeed
 from trainer.losses import BaselineState, baseline_advantages
-from trainer.policy import PolicyTrainer, Sample, UpdateConfig, describe_device
+from trainer.learner import PolicyTrainer, Sample, UpdateConfig, describe_device
 from policy.weight_store import (Manifest, WeightStore, base_version_event, fold_statuses, promoted_version,
                                   read_weight_records, version_event)
 
@@ -121,7 +121,7 @@ def update_config(settings: Settings) -> UpdateConfig:
 class OnlineTrainer:
     def __init__(self, settings: Settings, *, topic: str = EPISODES.name, group_id: str | None = None):
         from policy.models import use_torch_threads
-        from trainer.named_models import build_named_model
+        from trainer.build_models import build_named_model
 
         use_torch_threads(settings.torch_threads)
         self.settings = settings
@@ -173,11 +173,11 @@ class OnlineTrainer:
         self.canaries: dict[str, CanaryTally] = {}
         """project ("" the shared policy) -> its running canary."""
         self.gate_learner = None
-        """While ``run`` runs with ``show_gate``: the show-gate's learner thread (trainer/show_gate.py)."""
+        """While ``run`` runs with ``show_gate``: the show-gate's learner thread (trainer/show_gate_learner.py)."""
         self.head_feed: HeadFeed | None = None
         """While ``run`` runs: the reader at the head of the topic, for the canaries and the gate
         (trainer/head_feed.py)."""
-        # Episodes held out of training for the promotion gate (trainer/gate.py), newest last. Not kept across
+        # Episodes held out of training for the promotion gate (trainer/promotion.py), newest last. Not kept across
         # restarts: after one, the gate waits for new held-out episodes before it lets a version out.
         self.gate_episodes = HeldOutPool(settings.promote_gate_episodes)
         self.writer = None
@@ -320,7 +320,7 @@ class OnlineTrainer:
         episodes, weights = self._make_consumers()
         self.head_feed = HeadFeed(self.settings, self.topic, self.group_id)
         if self.settings.show_gate:  # the show-gate is learned at the head of the topic, beside the PPO loop
-            from trainer.show_gate import GateLearnerThread
+            from trainer.show_gate_learner import GateLearnerThread
 
             self.gate_learner = GateLearnerThread(self.settings, self.base_model, self.producer,
                                                   topic=self.topic).start()
@@ -639,7 +639,7 @@ class OnlineTrainer:
 
     def _gate(self, manifest: Manifest, weights_in_memory: bool) -> tuple[GateDecision, dict[str, float]]:
         """Estimate the version on the held-out episodes its project's serving version served (a project's
-        version: that project's episodes only; trainer/gate.py)."""
+        version: that project's episodes only; trainer/promotion.py)."""
         from rewards.spec import RewardSpecs
         from trainer.ope_episodes import evaluate_logged, select_episodes
 
@@ -694,7 +694,7 @@ class OnlineTrainer:
                       completion_id=ep["completion_id"])
 
     def _held_out(self, ep: dict) -> bool:
-        """Whether the gate holds this episode out of training (trainer/gate.py). A completion the show-gate
+        """Whether the gate holds this episode out of training (trainer/promotion.py). A completion the show-gate
         hid is never held out: the user saw nothing, so it says nothing of a weight version (``drop_reason``
         drops it as "gate_hidden")."""
         return (self.settings.promote_gate != "none" and ep.get("gate_shown") is not False

@@ -23,7 +23,7 @@ from trainer.losses import policy_token_logprobs
 from trainer.episodes import episode_sample, episode_sampler
 from trainer.metrics import is_empty, user_figures
 from trainer.ope import LoggedOutcome, estimate
-from trainer.policy import Sample, completion_logits
+from trainer.learner import Sample, completion_logits
 
 
 @dataclass

@@ -239,7 +239,7 @@ SELECT policy_version, toDate(joined_at) AS day, count() AS episodes,
 FROM {db}.episodes FINAL
 GROUP BY policy_version, day
 ORDER BY day, policy_version""",
-        # The promotion gate's estimate of each version (trainer/gate.py) and, where a canary then served
+        # The promotion gate's estimate of each version (trainer/promotion.py) and, where a canary then served
         # it, what the canary measured: the newest event of the version that carries each figure.
         "version_estimates": f"""
 SELECT base_model, version,

@@ -58,7 +58,7 @@ def load_policy(settings, policy: str | None = None, *, model_spec: str | None =
     version from ``tabloop.weights``; a directory → its weights (a LoRA adapter if it has
     adapter_config.json, else a full model)."""
     from policy.models import load_model
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
 
     base_spec = model_spec or build_named_model(settings)
     model, tokenizer = load_model(base_spec, device=device)

@@ -5,7 +5,7 @@ train tasks. Nothing here reads a held-out task: this is where the gate's rule m
 The train split is cut in two by a seeded shuffle. The first part is the traffic: its draws arrive one by one
 at the door as the loop's users would send them; the serving gate (none at first) decides each line with its
 exploration coin, the decided lines enter the learner's window, and the learner refits and judges each
-candidate as ``trainer.show_gate.GateLearner`` does (``replay_learner``: the same ``fit_gate`` and
+candidate as ``trainer.show_gate_learner.GateLearner`` does (``replay_learner``: the same ``fit_gate`` and
 ``judge_candidate``, and its schedule ``fit_due``: a fit tried on every new line while no gate serves, then
 one every ``refit_every``). The second part
 judges every promoted gate on its own draws (``trainer.proof.served``: with exploration, as served, and the
@@ -55,7 +55,7 @@ def replay_learner(lines: Sequence[Line | None], config: FitConfig, *, refit_eve
     """Every candidate the learner would fit on this traffic, in order: ``at`` (lines arrived), ``decided``
     (lines in the window), ``version``, ``threshold``, ``status``, ``reason``, ``metrics`` and ``gate``. A
     PROMOTED candidate serves the lines after it."""
-    from trainer.show_gate import fit_due, judge_candidate
+    from trainer.show_gate_learner import fit_due, judge_candidate
 
     rng = random.Random(f"{seed}:replay")
     log: deque[Decided] = deque(maxlen=window)

@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 
 from rewards.spec import RewardSpec
 from trainer.losses import grpo_advantages, rloo_advantages
-from trainer.policy import PolicyTrainer, Sample, sample_completions
+from trainer.learner import PolicyTrainer, Sample, sample_completions
 from trainer.proof.simulate import UserModel, decision_rows
 from trainer.proof.tasks import FimTask
 
@@ -392,7 +392,7 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
     """The whole offline run; returns the summary ``tabloop train --offline`` prints as its last line."""
     import torch
 
-    from trainer.named_models import build_named_model
+    from trainer.build_models import build_named_model
     from trainer.proof.tasks import resolve_dataset
     from policy.weight_store import WeightStore
 

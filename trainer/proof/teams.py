@@ -161,7 +161,7 @@ def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
     from rewards.spec import RewardSpec
     from trainer.metrics import user_figures
     from policy.models import load_model
-    from trainer.policy import PolicyTrainer, UpdateConfig
+    from trainer.learner import PolicyTrainer, UpdateConfig
     from trainer.proof.evaluate import evaluate
     from trainer.proof.offline import OfflineConfig, offline_update
     from trainer.proof.simulate import decision_rows

@@ -50,7 +50,7 @@ from schemas.events import Event, new_event
 from rewards.spec import RewardSpec, RewardSpecs
 from trainer.ope import effective_sample_size, ratio_estimate
 
-log = logging.getLogger("tabloop.trainer.gate")
+log = logging.getLogger("tabloop.trainer.show_gate")
 
 DECIDED_OUTCOMES = ("ACCEPTED", "PARTIAL", "REJECTED")
 
