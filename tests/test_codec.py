@@ -218,17 +218,3 @@ def test_data_written_with_an_older_release_reads_as_current():
     assert event.record["prompt"] == record["prompt"]
     with pytest.raises(UnknownSchemaError):  # a codec that doesn't know that release
         Codec(released=[]).decode(data)
-
-
-def test_faust_codec_uses_the_same_codec():
-    from faust.serializers import codecs
-
-    from streams.codec import FAUST_CODEC_NAME, register_faust_codec
-
-    register_faust_codec()
-    event = example_event("Episode", 4)
-    data = codecs.dumps(FAUST_CODEC_NAME, event)
-    assert data == Codec().encode(event)
-    assert codecs.loads(FAUST_CODEC_NAME, data).record == expected_after_round_trip(event.record)
-    with pytest.raises(TypeError, match="writes schemas.events.Event"):
-        codecs.dumps(FAUST_CODEC_NAME, {"not": "an event"})
