@@ -324,11 +324,7 @@ def apply(system: FuzzSystem, fault: Fault, say: Callable[[str], None], seq: int
             os.kill(pid, signal.SIGKILL)
             say(f"SIGKILL {fault.target} pid {pid}")
             return
-        os.kill(pid, signal.SIGSTOP)
-        say(f"SIGSTOP {fault.target} pid {pid} for {fault.hold_s}s")
-        time.sleep(fault.hold_s)
-        _continue(pid)
-        say(f"SIGCONT {fault.target} pid {pid}")
+        _pause(pid, fault.target, fault.hold_s, say)
     elif fault.kind == "kafka_stop":
         done = system.cli("kafka", "stop")
         say(f"Kafka stopped for {fault.hold_s}s" if done.returncode == 0 else f"kafka stop failed: {done.stderr[-300:]}")
@@ -338,17 +334,9 @@ def apply(system: FuzzSystem, fault: Fault, say: Callable[[str], None], seq: int
     elif fault.kind == "kafka_pause":
         pid = system.broker_pid()
         if pid:
-            os.kill(pid, signal.SIGSTOP)
-            say(f"SIGSTOP Kafka pid {pid} for {fault.hold_s}s")
-            time.sleep(fault.hold_s)
-            _continue(pid)
-            say(f"SIGCONT Kafka pid {pid}")
+            _pause(pid, "Kafka", fault.hold_s, say)
     elif fault.kind == "join":
-        proc = system.start_worker(f"extra-{seq}")
-        say(f"a second streams worker (pid {proc.pid}) joins for {fault.hold_s}s")
-        time.sleep(fault.hold_s)
-        system.stop_worker(proc)
-        say(f"the second streams worker (pid {proc.pid}) left")
+        _second_worker(system, f"extra-{seq}", fault.hold_s, say, "joins")
     else:  # join_race: the supervised worker restarts; a second one starts right after its first assignment
         before = system.streams_log_end()
         pid = system.component("streams").get("pid")
@@ -358,19 +346,29 @@ def apply(system: FuzzSystem, fault: Fault, say: Callable[[str], None], seq: int
             say("the restarted streams worker got no assignment in 120 s")
             return
         time.sleep(fault.delay_ms / 1000)
-        proc = system.start_worker(f"race-{seq}")
-        say(f"streams (pid {pid}) killed; a second worker (pid {proc.pid}) started {fault.delay_ms} ms after the "
-            f"restarted one's first assignment, for {fault.hold_s}s")
-        time.sleep(fault.hold_s)
-        system.stop_worker(proc)
-        say(f"the second streams worker (pid {proc.pid}) left")
+        _second_worker(system, f"race-{seq}", fault.hold_s, say,
+                       f"starts {fault.delay_ms} ms after the restarted one's first assignment (streams pid {pid} killed)")
 
 
-def _continue(pid: int) -> None:
+def _pause(pid: int, name: str, hold_s: float, say: Callable[[str], None]) -> None:
+    """SIGSTOP ``pid`` for ``hold_s``, then SIGCONT (unless it is gone by then)."""
+    os.kill(pid, signal.SIGSTOP)
+    say(f"SIGSTOP {name} pid {pid} for {hold_s}s")
+    time.sleep(hold_s)
     try:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
-        pass
+        return
+    say(f"SIGCONT {name} pid {pid}")
+
+
+def _second_worker(system: FuzzSystem, name: str, hold_s: float, say: Callable[[str], None], how: str) -> None:
+    """A streams worker beside the supervised one for ``hold_s``, then stopped (SIGTERM) as an operator would."""
+    proc = system.start_worker(name)
+    say(f"a second streams worker (pid {proc.pid}) {how}, for {hold_s}s")
+    time.sleep(hold_s)
+    system.stop_worker(proc)
+    say(f"the second streams worker (pid {proc.pid}) left")
 
 
 def _load(system: FuzzSystem, project: str, seconds: float, seed_text: str) -> tuple[subprocess.Popen, Path, Path]:
