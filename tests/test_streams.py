@@ -141,6 +141,25 @@ def collect(settings, before: set, want: int, timeout_s: float, proc, grace_s: f
     return seen
 
 
+def collect_restarting(settings, before: set, want: int, worker, grace_s: float,
+                       timeout_s: float = 900) -> tuple[subprocess.Popen, int]:
+    """``collect`` until ``want`` new episodes, starting the worker again whenever it exited, as the supervisor
+    would (a worker may give up during an outage, or exit for a clean start after a rebalance); (the worker
+    running at the end, how many restarts it took)."""
+    deadline, restarts = time.monotonic() + timeout_s, 0
+    try:
+        while time.monotonic() < deadline:
+            collect(settings, before, want, deadline - time.monotonic(), worker, grace_s=grace_s)
+            if worker.poll() is None:
+                break
+            restarts += 1
+            worker = start_worker(settings, f"streams-{restarts + 1}.log")
+    except BaseException:
+        stop(worker)  # one started here: the caller's own stop has only the first
+        raise
+    return worker, restarts
+
+
 def nothing_left_to_close(settings, timeout_s: float) -> None:
     """Wait until nothing the worker holds could still become an episode by time alone: no feedback waiting
     in its tables, nothing unread in its topics (its own included), twice in a row. Read before the topic's
@@ -344,7 +363,7 @@ def test_kafka_outage_of_thirty_seconds_loses_nothing_and_the_worker_resumes(kaf
     ensure_topics(settings)
     events, expected, _ = scenario(seed=13, n_completions=2000, n_feedback=2000)
     before = episode_ids(settings)
-    worker, restarts = start_worker(settings, "streams-1.log"), 0
+    worker = start_worker(settings, "streams-1.log")
     try:
         with EventProducer(settings) as producer:
             for e in events[: len(events) // 2]:
@@ -356,14 +375,8 @@ def test_kafka_outage_of_thirty_seconds_loses_nothing_and_the_worker_resumes(kaf
         with EventProducer(settings) as producer:
             for e in events[len(events) // 2:]:
                 producer.publish(e)
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            collect(settings, before, len(expected), deadline - time.monotonic(), worker,
-                    grace_s=WINDOW_S + LATENESS_S + idle_s + 10)
-            if worker.poll() is None:
-                break
-            restarts += 1  # what the supervisor does with a worker that exited
-            worker = start_worker(settings, f"streams-{restarts + 1}.log")
+        worker, restarts = collect_restarting(settings, before, len(expected), worker,
+                                              grace_s=WINDOW_S + LATENESS_S + idle_s + 10)
         nothing_left_to_close(settings, LATENESS_S + idle_s + 120)
         episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
         stalled = stalled_partitions(settings)
@@ -401,7 +414,7 @@ def test_kafka_stopped_thirty_seconds_under_steady_load_commits_no_episode_twice
     ensure_topics(settings)
     events, expected, _ = scenario(seed=17, n_completions=3000, n_feedback=3000)
     before = episode_ids(settings)
-    worker, restarts = start_worker(settings, "streams-1.log"), 0
+    worker = start_worker(settings, "streams-1.log")
     try:
         load = publish_steadily(settings, events, per_second=60)
         collect(settings, before, len(expected) // 8, 300, worker)  # the worker is busy: mid-transaction
@@ -409,14 +422,8 @@ def test_kafka_stopped_thirty_seconds_under_steady_load_commits_no_episode_twice
         time.sleep(30)
         kafka.start()
         load.join(300)
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            collect(settings, before, len(expected), deadline - time.monotonic(), worker,
-                    grace_s=WINDOW_S + LATENESS_S + idle_s + 10)
-            if worker.poll() is None:
-                break
-            restarts += 1  # what the supervisor does with a worker that exited
-            worker = start_worker(settings, f"streams-{restarts + 1}.log")
+        worker, restarts = collect_restarting(settings, before, len(expected), worker,
+                                              grace_s=WINDOW_S + LATENESS_S + idle_s + 10)
         nothing_left_to_close(settings, LATENESS_S + idle_s + 120)
         episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
     finally:
