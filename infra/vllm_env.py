@@ -118,6 +118,15 @@ def replica_command(python: Path, model_dir: str, *, port: int, served_name: str
             "--logprobs-mode", "processed_logprobs"]
 
 
+def health_answers(url: str) -> bool:
+    """Whether the vLLM server at ``url`` answers ``/health`` with 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 class VLLMReplica:
     """One vLLM OpenAI server started from the environment, its output in ``log_file``."""
 
@@ -146,12 +155,8 @@ class VLLMReplica:
             if self.proc is not None and self.proc.poll() is not None:
                 raise VLLMInstallError(f"the vLLM replica exited ({self.proc.returncode}) before it was healthy:\n"
                                        f"{log_tail(self.log_file)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - started
-            except OSError:
-                pass
+            if health_answers(self.url):
+                return time.monotonic() - started
             time.sleep(1.0)
         raise VLLMInstallError(f"the vLLM replica was not healthy after {timeout_s:.0f} s:\n{log_tail(self.log_file)}")
 
@@ -202,13 +207,7 @@ def run_managed_replica(settings, model_dir: str, index: int, run_dir: Path, *, 
     say(f"vLLM replica {index}: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env={**os.environ, **REPLICA_ENV})  # same process group: stopped with it
     started = time.monotonic()
-    while proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
+    while proc.poll() is None and not health_answers(url):
         time.sleep(1.0)
     if proc.poll() is None:
         say(f"vLLM replica {index} healthy after {time.monotonic() - started:.0f} s; warming up")
