@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -678,9 +679,7 @@ def drill_fuzz(seeds: int, first_seed: int, named: tuple[str, ...], load_s: floa
     """Exactly once under seeded schedules of faults: SIGKILL/SIGSTOP of the components, the broker stopped or
     paused, a second streams worker joining at any moment. Checks every seed's invariants; exits 1 on any
     violation, printing the schedule and the command that replays it."""
-    import tempfile
-
-    from tabloop.fuzz import fuzz
+    from tabloop.fuzz import fuzz  # lazy: it imports the streams worker (Faust), which every other command would pay
 
     workdir = workdir or Path(tempfile.mkdtemp(prefix="tabloop-fuzz-"))
     try:
