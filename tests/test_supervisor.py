@@ -41,12 +41,12 @@ def test_back_off_doubles_from_one_second_up_to_a_minute():
 
 
 def test_the_table_runs_registered_commands_and_skips_the_rest(tmp_path):
-    from tabloop.cli import main
+    from tabloop.cli import COMMANDS
 
     assert {c.command[0] for c in sv.COMPONENTS} >= {"serve", "streams"}
-    assert all(c.command[0] in main.commands for c in sv.COMPONENTS if c.name in ("serve", "streams"))
+    assert all(c.command[0] in COMMANDS for c in sv.COMPONENTS if c.name in ("serve", "streams"))
     ghost = sv.Component("ghost", ("no-such-command",), health="alive")
-    sup = sv.Supervisor(make_settings(tmp_path), (sv.COMPONENTS[0], ghost), commands=main.commands)
+    sup = sv.Supervisor(make_settings(tmp_path), (sv.COMPONENTS[0], ghost), commands=COMMANDS)
     states = {c.component.name: c.state for c in sup.children}
     assert states == {"serve": "starting", "ghost": "not installed"}
     assert sup.all_healthy() is False  # serve has not started; the ghost does not count

@@ -1,17 +1,25 @@
 """The trainer's commands: `tabloop train`, `tabloop weights list|promote|rollback|evaluate`,
 `tabloop gates list|rollback`, `tabloop bench trainer`.
 
-Registered in tabloop/cli.py with one ``add_command`` line each.
+Registered in tabloop/cli.py's ``COMMANDS`` / ``BENCHES``, one line each.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+import signal
+from datetime import datetime, timedelta, timezone
 
 import click
 
+from infra.bus import EventProducer, broker_answers, ensure_topics, read_topic
+from policy.show_gate import latest_statuses, serving_gate_record
+from policy.weight_store import (WeightStore, WeightStoreError, base_version_event, fold_statuses,
+                                 promoted_version, read_weight_records, version_event)
+from rewards.spec import RewardSpecs
+from schemas.topics import EPISODES, GATES
 from trainer.proof.offline_cli import offline_options, offline_requested, train_offline
+from trainer.show_gate_learner import restated
 
 
 def _settings(ctx: click.Context):
@@ -35,9 +43,7 @@ def train(ctx: click.Context, topic: str, max_versions: int | None, **offline) -
     With --offline: GRPO/RLOO on DATASET's tasks (trainer/proof/offline.py)."""
     if offline_requested(ctx, offline):
         return train_offline(ctx, max_versions=max_versions, **offline)
-    import signal
-
-    from infra.bus import broker_answers
+    # Lazy here and below: the model code imports torch (seconds), which `weights list` and `gates` must not pay.
     from policy.models import ModelLoadError
     from trainer.online import OnlineTrainer
 
@@ -68,16 +74,13 @@ def weights() -> None:
 
 
 def _store_and_records(settings):
-    from trainer.build_models import build_named_model
-    from policy.weight_store import WeightStore, read_weight_records
+    from trainer.build_models import build_named_model  # lazy: torch, only for a named model's directory
 
     base = build_named_model(settings)
     return base, WeightStore(settings.effective_weight_store, base), read_weight_records(settings)
 
 
 def _publish(settings, *events) -> None:
-    from infra.bus import EventProducer, ensure_topics
-
     ensure_topics(settings)
     with EventProducer(settings, client_id="tabloop-weights-cli") as producer:
         for event in events:
@@ -90,8 +93,6 @@ def _publish(settings, *events) -> None:
 def weights_list(ctx: click.Context, as_json: bool) -> None:
     """Every version in the weight store with its status on tabloop.weights; * marks the ones serving follows
     (the shared policy's, and each project's own)."""
-    from policy.weight_store import fold_statuses, promoted_version
-
     settings = _settings(ctx)
     base, store, records = _store_and_records(settings)
     statuses = fold_statuses(records, base)
@@ -106,17 +107,41 @@ def weights_list(ctx: click.Context, as_json: bool) -> None:
                      "created": datetime.fromtimestamp(m.created_at_ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
                      "uri": m.uri, "serving": m.version == serving[m.project_id],
                      "reward_mean": round(m.metrics.get("reward_mean", float("nan")), 4)})
+    echo_rows(rows, WEIGHT_COLUMNS, as_json)
+
+
+Column = tuple[str, str, str, str]
+"""(header, the row's key, its format spec, the separator before it) of a table ``echo_rows`` prints."""
+WEIGHT_COLUMNS: tuple[Column, ...] = (
+    ("version", "version", ">7", " "), ("project", "project", "<", " "), ("status", "status", "<12", " "),
+    ("kind", "kind", "<5", " "), ("parent", "parent", ">6", " "), ("episodes", "episodes", ">8", " "),
+    ("created", "created", "<19", "  "), ("uri", "uri", "", "  "))
+GATE_COLUMNS: tuple[Column, ...] = (
+    ("version", "version", ">7", " "), ("project", "project", "<", " "), ("status", "status", "<11", " "),
+    ("policy", "policy_version", ">6", " "), ("thresh", "threshold", ">6.3f", " "), ("lines", "episodes", ">5", " "),
+    ("auc", "auc", ">5", " "), ("keep", "keep_chars", ">5", " "), ("shown", "shown_share", ">5", " "),
+    ("accept", "accept_rate_shown", ">6", " "), ("created", "created", "<19", "  "), ("reason", "reason", "", "  "))
+
+
+def echo_rows(rows: list[dict], columns: tuple[Column, ...], as_json: bool) -> None:
+    """The rows as JSON lines, or as a table: ``*`` before the row serving follows, the project column as wide
+    as its longest name ("(shared)" for the shared policy), a missing value blank."""
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
         return
-    width = max([7] + [len(r["project"]) for r in rows])
-    click.echo(f"{'':1} {'version':>7} {'project':<{width}} {'status':<12} {'kind':<5} {'parent':>6} {'episodes':>8}  "
-               f"{'created':<19}  uri")
+    width = max([8] + [len(r["project"]) for r in rows])
+
+    def spec(fmt: str) -> str:
+        return f"<{width}" if fmt == "<" else fmt
+
+    click.echo("  " + "".join(f"{sep if i else ''}{head:{spec(fmt).split('.')[0]}}"  # a header has no precision
+                              for i, (head, _, fmt, sep) in enumerate(columns)))
     for r in rows:
-        click.echo(f"{'*' if r['serving'] else ' '} {r['version']:>7} {r['project'] or '(shared)':<{width}} "
-                   f"{r['status']:<12} {r['kind']:<5} {'' if r['parent'] is None else r['parent']:>6} "
-                   f"{r['episodes']:>8}  {r['created']:<19}  {r['uri']}")
+        cells = [(r["project"] or "(shared)") if key == "project" else ("" if r[key] is None else r[key])
+                 for _, key, _, _ in columns]
+        click.echo(("*" if r["serving"] else " ") + " " + "".join(
+            f"{sep if i else ''}{cell:{spec(fmt)}}" for i, (cell, (_, _, fmt, sep)) in enumerate(zip(cells, columns))))
 
 
 def _whose(project: str) -> str:
@@ -129,8 +154,6 @@ def _whose(project: str) -> str:
 def weights_promote(ctx: click.Context, version: int) -> None:
     """Promote VERSION: every serving replica loads it (0 = the base model) for the project it was trained for
     (the shared policy's versions: for every project without a version of its own)."""
-    from policy.weight_store import WeightStoreError, base_version_event, version_event
-
     settings = _settings(ctx)
     base, store, _ = _store_and_records(settings)
     try:
@@ -170,8 +193,6 @@ def rollback_target(records: list[dict], base_model: str, current: int, project:
 @click.pass_context
 def weights_rollback(ctx: click.Context, version: int | None, project: str) -> None:
     """Roll back the promoted version; serving goes to VERSION (default: the one promoted before it, else 0)."""
-    from policy.weight_store import WeightStoreError, base_version_event, promoted_version, version_event
-
     settings = _settings(ctx)
     base, store, records = _store_and_records(settings)
     current = promoted_version(records, base, project)
@@ -208,9 +229,6 @@ def gates() -> None:
 
 def read_gate_records(settings) -> list[dict]:
     """Every GateVersion record on tabloop.gates, in order (empty when the topic does not exist yet)."""
-    from infra.bus import broker_answers, read_topic
-    from schemas.topics import GATES
-
     if not broker_answers(settings):
         raise _error(f"no Kafka answers on {settings.kafka_bootstrap}: run `tabloop kafka start` first")
     try:
@@ -228,8 +246,6 @@ def _gate_of(project: str) -> str:
 @click.pass_context
 def gates_list(ctx: click.Context, as_json: bool) -> None:
     """Every gate version with its latest status; * marks the one serving its project."""
-    from policy.show_gate import latest_statuses, serving_gate_record
-
     records = read_gate_records(_settings(ctx))
     rows = []
     for project in dict.fromkeys(r.get("project_id") or "" for r in records):
@@ -245,22 +261,11 @@ def gates_list(ctx: click.Context, as_json: bool) -> None:
                          "shown_share": round(m.get("gate_shown_share", float("nan")), 3),
                          "accept_rate_shown": round(m.get("gate_accept_rate_shown", float("nan")), 3),
                          "created": r["created_at"].strftime("%Y-%m-%d %H:%M:%S"), "reason": r.get("reason") or ""})
-    if as_json:
-        for row in rows:
-            click.echo(json.dumps(row))
-        return
-    if not rows:
+    if not rows and not as_json:
         click.echo("no gate versions on tabloop.gates yet (the trainer publishes one after "
                    f"{_settings(ctx).gate_min_decided} decided episodes)")
         return
-    width = max([8] + [len(r["project"]) for r in rows])
-    click.echo(f"  {'version':>7} {'project':<{width}} {'status':<11} {'policy':>6} {'thresh':>6} {'lines':>5} "
-               f"{'auc':>5} {'keep':>5} {'shown':>5} {'accept':>6}  {'created':<19}  reason")
-    for r in rows:
-        click.echo(f"{'*' if r['serving'] else ' '} {r['version']:>7} {r['project'] or '(shared)':<{width}} "
-                   f"{r['status']:<11} {r['policy_version']:>6} {r['threshold']:>6.3f} {r['episodes']:>5} "
-                   f"{r['auc']:>5} {r['keep_chars']:>5} {r['shown_share']:>5} {r['accept_rate_shown']:>6}  "
-                   f"{r['created']:<19}  {r['reason']}")
+    echo_rows(rows, GATE_COLUMNS, as_json)
 
 
 @gates.command("rollback")
@@ -270,9 +275,6 @@ def gates_list(ctx: click.Context, as_json: bool) -> None:
 def gates_rollback(ctx: click.Context, version: int, project: str) -> None:
     """Publish VERSION as ROLLED_BACK: the door goes back to the project's gate promoted before it, else the
     shared gate, else shows everything."""
-    from policy.show_gate import latest_statuses, serving_gate_record
-    from trainer.show_gate_learner import restated
-
     settings = _settings(ctx)
     records = read_gate_records(settings)
     record = latest_statuses(records, project).get(version)
@@ -294,8 +296,6 @@ SINCE_UNITS = {"m": 60, "h": 3600, "d": 86400}
 
 def parse_since(text: str, now: datetime) -> datetime:
     """Pure: ``--since`` as an ISO time (UTC unless it says otherwise) or an age: 30m, 6h, 7d."""
-    from datetime import timedelta
-
     value = text.strip()
     if value[-1:] in SINCE_UNITS and value[:-1].replace(".", "", 1).isdigit():
         return now - timedelta(seconds=float(value[:-1]) * SINCE_UNITS[value[-1]])
@@ -326,10 +326,7 @@ def weights_evaluate(ctx: click.Context, version: str, project: str | None, sinc
     Off-policy: each logged episode is weighed by VERSION's probability of the served tokens over the
     probability of the policy that served them (clipped, self-normalised), so VERSION is judged before any
     user sees it. VERSION: a version number (0 = the base model) or a weights directory."""
-    from infra.bus import broker_answers, read_topic
-    from schemas.topics import EPISODES
-    from rewards.spec import RewardSpecs
-    from trainer.ope_episodes import evaluate_logged, select_episodes
+    from trainer.ope_episodes import evaluate_logged, select_episodes  # lazy: torch (see `train`)
     from trainer.proof.evaluate import load_policy
 
     settings = _settings(ctx)
@@ -397,7 +394,7 @@ def weights_evaluate(ctx: click.Context, version: str, project: str | None, sinc
 def bench_trainer(ctx: click.Context, model_shape: str, mode: str, batch: int, micro_batch: int, prompt_tokens: int,
                   completion_tokens: int, updates: int, device: str, peak_tflops: float | None) -> None:
     """Policy updates per second and tokens/s on synthetic episodes (no Kafka)."""
-    from trainer.bench import bench_trainer as run
+    from trainer.bench import bench_trainer as run  # lazy: torch (see `train`)
 
     run(_settings(ctx), model_shape=model_shape, modes=["lora", "full"] if mode == "both" else [mode], batch=batch,
         micro_batch=micro_batch, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, updates=updates,

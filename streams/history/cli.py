@@ -7,10 +7,20 @@ import logging
 import signal
 import sys
 import threading
+from datetime import datetime, timezone
+from pathlib import Path
 
 import click
 
+from infra.bus import broker_answers
 from infra.errors import TabloopError
+from infra.local import endpoints
+from rewards.spec import RewardSpecs
+from streams.history.bench import bench_history as run_bench_history
+from streams.history.replay import Selection, parse_offset, replay as run_replay
+from streams.history.sink import (EVENT_FOR_TABLE, GROUP_ID, HistoryError, HistorySink, HistoryStore, parse_retention,
+                                  rejects_ddl, table_ddl, view_ddls)
+from streams.history.sql import HistoryServer, SqlClient, SqlError, format_table, history_token
 
 log = logging.getLogger("tabloop.history")
 
@@ -44,8 +54,6 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
     """The history sink: every topic into ClickHouse; read-only SQL and the dashboard over HTTP."""
     if ctx.invoked_subcommand is not None:
         return
-    from streams.history.sink import GROUP_ID, HistoryError, HistorySink, HistoryStore
-    from streams.history.sql import HistoryServer, history_token
 
     s = _settings(ctx)
     try:
@@ -86,9 +94,6 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
 @click.pass_context
 def history_token_cmd(ctx: click.Context, as_url: bool) -> None:
     """Print the Bearer token of the SQL server and the dashboard (made once if missing)."""
-    from infra.local import endpoints
-    from streams.history.sql import history_token
-
     s = _settings(ctx)
     token = history_token(s, create=True)
     click.echo(f"{endpoints(s)['history']}/#token={token}" if as_url else token)
@@ -98,8 +103,6 @@ def history_token_cmd(ctx: click.Context, as_url: bool) -> None:
 @click.pass_context
 def history_schema(ctx: click.Context) -> None:
     """Print the CREATE statements of the tables and views (what the sink makes)."""
-    from streams.history.sink import EVENT_FOR_TABLE, parse_retention, rejects_ddl, table_ddl, view_ddls
-
     s = _settings(ctx)
     retention = parse_retention(s.history_retention_days)
     for table in EVENT_FOR_TABLE:
@@ -120,8 +123,6 @@ def sql(ctx: click.Context, query: str, fmt: str) -> None:
     Tables and views live in the database TABLOOP_HISTORY_DATABASE (tabloop), e.g.
     `tabloop sql "SELECT * FROM tabloop.acceptance_by_version"`.
     """
-    from streams.history.sql import SqlClient, SqlError, format_table
-
     try:
         result = SqlClient(_settings(ctx)).query(query)
     except SqlError as exc:
@@ -136,7 +137,6 @@ def sql(ctx: click.Context, query: str, fmt: str) -> None:
 def _when(text: str | None):
     if text is None:
         return None
-    from datetime import datetime, timezone
 
     try:
         t = datetime.fromisoformat(text)
@@ -166,19 +166,13 @@ def replay(ctx: click.Context, topic: str | None, dry_run: bool, source: str, si
 
     Prints a summary; its last line is JSON.
     """
-    from pathlib import Path
-
-    from streams.history.sql import SqlError
-    from streams.history.replay import Selection, parse_offset, replay as run
-    from rewards.spec import RewardSpecs
-
     if not dry_run and not topic:
         _fail("say where the episodes go with --to TOPIC (or --dry-run)")
     try:
         start = dict(parse_offset(o) for o in offsets)
         specs = RewardSpecs.from_yaml(Path(reward_spec)) if reward_spec else None
         selection = Selection(_when(since), _when(until), tuple(projects), tuple(versions), start)
-        summary = run(_settings(ctx), source, selection, None if dry_run else topic, specs)
+        summary = run_replay(_settings(ctx), source, selection, None if dry_run else topic, specs)
     except (ValueError, SqlError) as exc:
         _fail(str(exc))
     except Exception as exc:  # Kafka down, publish failures: say so without a traceback
@@ -195,9 +189,6 @@ def replay(ctx: click.Context, topic: str | None, dry_run: bool, source: str, si
 @click.pass_context
 def bench_history(ctx: click.Context, n: int, episodes: int) -> None:
     """Rows/s stored by the sink (broker → embedded ClickHouse) and the acceptance-by-version query time."""
-    from infra.bus import broker_answers
-    from streams.history.bench import bench_history as run
-
     s = _settings(ctx)
     if n <= 2 * s.history_batch_size:
         # The first batch waits for the consumer group to form and is not timed: with fewer events than
@@ -206,4 +197,4 @@ def bench_history(ctx: click.Context, n: int, episodes: int) -> None:
               f"({s.history_batch_size}), e.g. --events {max(120_000, 6 * s.history_batch_size)}")
     if not broker_answers(s):
         _fail(f"no Kafka answers on {s.kafka_bootstrap}: run `tabloop kafka start` first")
-    run(s, n, episodes)
+    run_bench_history(s, n, episodes)
