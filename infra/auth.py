@@ -27,6 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from infra.files import private_dir
+
 log = logging.getLogger("tabloop.auth")
 
 _KEY = re.compile(r"tlk_([0-9a-f]{8})_([A-Za-z0-9_-]{43})")  # token_urlsafe(32) is 43 characters
@@ -124,8 +126,6 @@ class KeyStore:
 
     def _update(self, change: Callable[[dict[str, dict]], T]) -> T:
         """Apply ``change`` to the keys as they are on disk now (another process may have written them)."""
-        from infra.files import private_dir
-
         private_dir(self.path.parent)  # the state dir: 0700, so the key store (0600 below) sits in a closed dir
         lock = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:

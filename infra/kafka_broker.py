@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.bus import broker_answers
 from infra.files import PRIVATE_UMASK, log_tail, open_private, private_dir, write_private
 from infra.settings import Settings
 
@@ -272,8 +273,6 @@ class LocalKafka:
         return pid if str(self.properties_file).encode() in cmdline else None
 
     def _answers(self) -> bool:
-        from infra.bus import broker_answers  # imports the Kafka client; only when needed
-
         return broker_answers(self.settings)
 
     def _log_tail(self, lines: int = 30) -> str:

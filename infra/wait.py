@@ -16,6 +16,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from infra.bus import KafkaUnavailable, wait_for_kafka
+from infra.settings import SettingsError, load_settings
+from schemas.topics import CATALOG
+
 NEEDS_BROKER = {"topics"}
 """Commands that need the broker answering, not the topics (they make them)."""
 NEEDS_TOPICS = {"serve", "streams", "train", "history", "replay"}
@@ -53,10 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         args = args[1:]
     need = needs(args)
     if need is not None:
-        from infra.bus import KafkaUnavailable, wait_for_kafka
-        from infra.settings import SettingsError, load_settings
-        from schemas.topics import CATALOG
-
         try:
             config, _ = _split(args)
             settings = load_settings(config_file=Path(config) if config else None)

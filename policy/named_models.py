@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from policy.models import MODEL_MARKER, ModelLoadError
+from policy.smollm2 import PACKAGED_MODELS, build_packaged_model, packaged_marker
 
 NAMED_MODELS = ("smollm2", "demo")
 """TABLOOP_MODEL values that name a model built under the state dir on first use (``resolve_model_spec``)."""
@@ -20,8 +21,6 @@ NAMED_MODELS = ("smollm2", "demo")
 
 def named_model_dir(settings) -> Path:
     """Where the model a name in ``NAMED_MODELS`` is built: under the state dir."""
-    from policy.smollm2 import PACKAGED_MODELS
-
     name = PACKAGED_MODELS[settings.model].name if settings.model in PACKAGED_MODELS else settings.model
     return (settings.state_dir / "models" / name).resolve()
 
@@ -34,8 +33,6 @@ def resolve_model_spec(settings) -> str:
     minute, progress on stderr) on first use. ``demo`` must have been built already (its pretraining is the
     trainer's: ``trainer.build_models.build_named_model``); if it was not, a clear error says how.
     """
-    from policy.smollm2 import PACKAGED_MODELS, build_packaged_model, packaged_marker
-
     if settings.model in PACKAGED_MODELS:
         spec = PACKAGED_MODELS[settings.model]
         out = named_model_dir(settings)

@@ -28,6 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from infra.bus import read_topic
+from schemas.events import new_event
+from schemas.topics import WEIGHTS
+
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
@@ -294,8 +298,6 @@ def promoted_version(records: Iterable[dict], base_model: str, project: str = ""
 
 def version_event(manifest: Manifest, status: str, extra_metrics: dict[str, float] | None = None):
     """The WeightVersion event announcing ``manifest``'s version with ``status``."""
-    from schemas.events import new_event
-
     return new_event("WeightVersion", project_id=manifest.project_id, version=manifest.version,
                      parent_version=manifest.parent_version,
                      base_model=manifest.base_model, kind=manifest.kind, uri=manifest.uri, sha256=manifest.sha256,
@@ -308,8 +310,6 @@ def version_event(manifest: Manifest, status: str, extra_metrics: dict[str, floa
 
 def base_version_event(base_model: str, status: str = "PROMOTED"):
     """Version 0 (the base model itself), for rolling back to it explicitly."""
-    from schemas.events import new_event
-
     return new_event("WeightVersion", version=0, parent_version=None, base_model=base_model, kind="FULL", uri="",
                      sha256="", size_bytes=0, trainer_step=0, episodes_consumed=0, source_offsets={}, metrics={},
                      status=status)
@@ -318,9 +318,6 @@ def base_version_event(base_model: str, status: str = "PROMOTED"):
 def read_weight_records(settings) -> list[dict]:
     """Every WeightVersion record on tabloop.weights, in order (empty when the topic does not exist yet)."""
     from confluent_kafka import KafkaException
-
-    from infra.bus import read_topic
-    from schemas.topics import WEIGHTS
 
     for attempt in range(10):
         try:

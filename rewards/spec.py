@@ -17,6 +17,8 @@ from typing import Callable, Mapping
 
 import yaml
 
+from infra.settings import Settings
+
 OUTCOMES = ("ACCEPTED", "REJECTED", "PARTIAL", "IGNORED")
 
 
@@ -124,10 +126,8 @@ def served_token_counter(settings=None) -> Callable[[str], int]:
     """Counts tokens with the served model's tokenizer (``TABLOOP_MODEL``; ``settings`` or the
     environment's), the way the trainer encodes a completion text: without special tokens."""
     if settings is None:
-        from infra.settings import Settings
-
         settings = Settings()
-    from policy.named_models import resolve_model_spec
+    from policy.named_models import resolve_model_spec  # lazy: torch (seconds) the streams worker mostly skips
 
     return _counter(resolve_model_spec(settings))
 

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import fastavro
 
+from schemas.codec import schema_fingerprint
+from schemas.events import EVENT_TYPES, RELEASED_DIR
+
 PRIMITIVE_SAMPLES = {
     "null": None,
     "boolean": True,
@@ -109,8 +112,6 @@ def load_schema(path: Path) -> dict:
 
 def check_all() -> dict[str, list[str]]:
     """Evolution problems of every event type's current schema against its released versions."""
-    from schemas.events import EVENT_TYPES
-
     return {
         name: evolution_problems(et.schema_json, [(v, load_schema(p)) for v, p in et.released_versions()])
         for name, et in EVENT_TYPES.items()
@@ -119,9 +120,6 @@ def check_all() -> dict[str, list[str]]:
 
 def unreleased() -> list[str]:
     """Event types whose current schema is not (yet) a released version."""
-    from schemas.codec import schema_fingerprint
-    from schemas.events import EVENT_TYPES
-
     names = []
     for name, et in EVENT_TYPES.items():
         released = {schema_fingerprint(fastavro.parse_schema(load_schema(p))) for _, p in et.released_versions()}
@@ -132,8 +130,6 @@ def unreleased() -> list[str]:
 
 def release() -> list[Path]:
     """Keep every changed current schema as its next released version (refusing breaking changes)."""
-    from schemas.events import EVENT_TYPES, RELEASED_DIR
-
     problems = {name: p for name, p in check_all().items() if p}
     if problems:
         raise ValueError("breaking schema changes:\n" + "\n".join(f"{n}: {'; '.join(p)}" for n, p in problems.items()))

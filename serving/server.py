@@ -7,12 +7,14 @@ import logging
 
 import uvicorn
 
+from infra.bus import make_codec
 from infra.http_server import bind, guarded_protocol
 from infra.settings import Settings
 from serving.app import FrontDoor
 from serving.engines import Engine, make_engine
 from serving.gates import GateWatcher
 from serving.publisher import EventPublisher
+from serving.weights import WeightWatcher
 
 log = logging.getLogger("tabloop.serve")
 
@@ -21,8 +23,6 @@ class Server:
     """Both apps on their sockets in one event loop. ``ports`` is known once bound (port 0 = any free)."""
 
     def __init__(self, settings: Settings, engine: Engine | None = None, publisher: EventPublisher | None = None):
-        from infra.bus import make_codec
-
         self.settings = settings
         self.engine = engine or make_engine(settings)
         self.publisher = publisher or EventPublisher(settings, make_codec(settings))
@@ -35,8 +35,6 @@ class Server:
         self.watcher = None
 
     async def serve(self) -> None:
-        from serving.weights import WeightWatcher
-
         await self.engine.start()
         self.watcher = WeightWatcher(self.settings, self.engine)
         self.watcher.start()

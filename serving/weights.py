@@ -24,6 +24,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra.bus import decode_message, make_codec
 from infra.settings import Settings
+from policy.weight_store import local_path_of
 from schemas.topics import WEIGHTS
 from serving.engines.base import Engine
 
@@ -188,8 +189,6 @@ class WeightWatcher:
         """A local path for ``uri``: weight stores at fsspec URIs are fetched into the cache first."""
         if not uri or "://" not in uri or uri.startswith("file://"):
             return uri
-        from policy.weight_store import local_path_of
-
         cache = self.settings.state_dir / "weights-cache"
         cache.mkdir(parents=True, exist_ok=True)
         return str(await asyncio.to_thread(local_path_of, uri, cache))

@@ -36,6 +36,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.kafka_broker import KAFKA_VERSION, LocalKafka
+from infra.settings import Settings, load_settings
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_DIR = ROOT / "infra" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.cpu.yml"
@@ -241,9 +244,6 @@ def build_python(engine: Engine) -> None:
 
 def kafka_jars(cache_dir: Path) -> Path:
     """The jars `tabloop kafka fetch` caches, plus kafka-tools (the health check's tool), in the build context."""
-    from infra.kafka_broker import KAFKA_VERSION, LocalKafka
-    from infra.settings import load_settings
-
     jars = LocalKafka(load_settings(cache_dir=cache_dir)).fetch()
     libs = COMPOSE_DIR / "kafka" / "libs"
     libs.mkdir(exist_ok=True)
@@ -540,8 +540,6 @@ def drill(opts) -> int:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    from infra.settings import Settings
-
     default_cache = Settings.model_fields["cache_dir"].default
     p = argparse.ArgumentParser(prog="python -m tabloop.compose_drill", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", choices=["podman", "docker"], default=None,

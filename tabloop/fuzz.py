@@ -477,7 +477,7 @@ def fuzz(seeds: int, first_seed: int, load_s: float, workdir: Path, *, model: st
                                                        for s in range(first_seed, first_seed + seeds)]
     workdir.mkdir(parents=True, exist_ok=True)
     if model is None:
-        from policy.models import build_tiny_model
+        from policy.models import build_tiny_model  # lazy: torch, only when no model is given
 
         model = str(build_tiny_model(workdir / "tiny-model", seed=0))
     system = FuzzSystem(workdir, model, echo)

@@ -34,10 +34,13 @@ from typing import Callable, Collection, TextIO
 
 import httpx
 
+from infra.bus import admin_client, broker_answers
 from infra.files import PRIVATE_UMASK, log_tail, open_private, private_dir, write_private
-from infra.kafka_broker import pid_alive
+from infra.kafka_broker import KafkaLaunchError, LocalKafka, pid_alive
+from infra.local import endpoints
 from infra.settings import Settings, to_environ
 from infra.vllm_env import managed_urls, manages_replicas, warm_marker
+from schemas.topics import CATALOG, TICK_KEY
 
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
@@ -282,8 +285,6 @@ class KafkaProbeProcess:
 def _answer_kafka_probes(conn, settings: Settings) -> None:
     """The probe process: answer questions until the pipe closes. Each answer goes with whether Kafka
     failed the request."""
-    from infra.bus import admin_client
-
     admin = admin_client(settings)
     questions = {"group_state": _group_state,
                  "lag": lambda admin, group, internal=False, detail=False:
@@ -320,8 +321,6 @@ def _group_lag(admin, settings: Settings, group: str, internal: bool = False,
     ({topic: records behind, the topics at 0 left out}, total), for a test's message to say where."""
     from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel
     from confluent_kafka.admin import OffsetSpec
-
-    from schemas.topics import CATALOG
 
     try:
         committed = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
@@ -364,8 +363,6 @@ def _readable(settings: Settings, spans: dict[tuple[str, int], tuple[int, int]],
     """For each (topic, partition): how many records a read_committed reader gets in [start, end), the
     streams worker's clock ticks left out."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
-
-    from schemas.topics import TICK_KEY
 
     reader = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "tabloop-lag-probe",
                        "enable.auto.commit": False, "isolation.level": "read_committed",
@@ -716,8 +713,6 @@ class Supervisor:
     # -- status ------------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        from infra.local import endpoints
-
         now = time.monotonic()
         return {
             "supervisor_pid": os.getpid(),
@@ -819,9 +814,6 @@ def stop_supervisor(settings: Settings, timeout_s: float = 60.0) -> list[str]:
 
 def live_status(settings: Settings) -> dict:
     """What `tabloop status` shows: Kafka, then each component with its policy version and lag."""
-    from infra.bus import broker_answers
-    from infra.kafka_broker import KafkaLaunchError, LocalKafka
-
     answering = broker_answers(settings)
     try:
         broker_pid = LocalKafka(settings).status().pid

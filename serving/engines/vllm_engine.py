@@ -66,7 +66,7 @@ class VLLMEngine(Engine):
     def __init__(self, settings: Settings):
         from transformers import AutoTokenizer
 
-        from policy.named_models import resolve_model_spec
+        from policy.named_models import resolve_model_spec  # lazy, like transformers: torch the default engine pays
 
         urls = [u.strip().rstrip("/") for u in settings.vllm_urls.split(",") if u.strip()]
         if not urls:

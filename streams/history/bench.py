@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 
+from infra.bus import EventProducer, admin_client, ensure_topics
 from infra.settings import Settings
 from schemas.examples import example_event
 from schemas.topics import KEEP_FOREVER, Topic
@@ -42,8 +43,6 @@ FROM numbers({n})"""
 
 
 def bench_history(settings: Settings, n: int = 60_000, episodes: int = 1_000_000) -> dict:
-    from infra.bus import EventProducer, admin_client, ensure_topics
-
     tag = uuid.uuid4().hex[:8]
     topics = {f"tabloop-bench-{tag}.{table}": table for table in SINK_MIX}
     ensure_topics(settings, [Topic(name, EVENT_FOR_TABLE[table], KEEP_FOREVER) for name, table in topics.items()])

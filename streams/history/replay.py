@@ -25,10 +25,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Iterable, Iterator
 
+from infra.bus import EventProducer, KafkaUnavailable, decode_message, ensure_topics, first_offsets_at, make_codec
 from infra.settings import Settings
+from rewards.scoring import Scorers, rescored
 from schemas.events import EVENT_TYPES, Event
 from schemas.token_ids import PACKED, packed_field
 from schemas.topics import CATALOG, COMPLETIONS, FEEDBACK, KEEP_FOREVER, Topic
+from streams.history.sink import TABLE_FOR_EVENT, event_columns, sql_literal
+from streams.history.sql import SqlClient
 from streams.join import JoinConfig, JoinPipeline, millis
 from rewards.spec import RewardSpecs
 
@@ -138,8 +142,6 @@ def score_episodes(episodes: list[Event], specs: RewardSpecs, scorers) -> list[E
     adds them (``rewards.scoring``); episodes no scorer applies to come back as they are."""
     import asyncio
 
-    from rewards.scoring import rescored
-
     async def one(e: Event) -> Event:
         spec = specs.for_project(e.record["project_id"])
         wanted = scorers.wanted(spec, e.record)
@@ -169,8 +171,6 @@ def keep_versions(episodes: Iterable[Event], versions: tuple[int, ...]) -> list[
 
 def records_from_clickhouse(sql_client, selection: Selection) -> Iterator[tuple[str, dict]]:
     """Completions and feedback of the selection, read with FINAL (one row per event)."""
-    from streams.history.sink import TABLE_FOR_EVENT, event_columns, sql_literal
-
     db = sql_client.database
     for type_name, topic in INPUT.items():
         et = EVENT_TYPES[type_name]
@@ -199,8 +199,6 @@ def records_from_kafka(settings: Settings, selection: Selection) -> Iterator[tup
     first offset at ``since`` (the broker's time index: message timestamps are event times), to the end
     each partition has now."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
-
-    from infra.bus import KafkaUnavailable, decode_message, first_offsets_at, make_codec
 
     codec = make_codec(settings)
     consumer = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": "tabloop-replay",
@@ -260,8 +258,6 @@ def check_target(topic: str) -> None:
 
 
 def publish_episodes(settings: Settings, topic: str, episodes: list[Event]) -> None:
-    from infra.bus import EventProducer, ensure_topics
-
     check_target(topic)
     ensure_topics(settings, [Topic(topic, "Episode", KEEP_FOREVER)])
     with EventProducer(settings, client_id="tabloop-replay") as producer:
@@ -281,8 +277,6 @@ def replay(settings: Settings, source: str, selection: Selection, topic: str | N
     if specs is None:
         specs = RewardSpecs.from_settings(settings)
     if source == "clickhouse":
-        from streams.history.sql import SqlClient
-
         records = list(records_from_clickhouse(sql_client or SqlClient(settings), selection))
     elif source == "kafka":
         records = list(records_from_kafka(settings, selection))
@@ -291,8 +285,6 @@ def replay(settings: Settings, source: str, selection: Selection, topic: str | N
     pipeline_config = JoinConfig.from_settings(settings)
     episodes = keep_versions(derive_episodes(records, specs, pipeline_config), selection.policy_versions)
     if scorers is None:
-        from rewards.scoring import Scorers
-
         scorers = Scorers.from_settings(settings)
     episodes = score_episodes(episodes, specs, scorers)
     if topic is not None:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 
 from confluent_kafka import KafkaException
 
-from infra.bus import gave_up
+from infra.bus import EventConsumer, gave_up
 from infra.settings import TABLE_FOR_EVENT, Settings, parse_retention
 from schemas.codec import EventDecodeError
 from schemas.events import EVENT_TYPES, EventType
@@ -594,8 +594,6 @@ class HistorySink:
 
     def __init__(self, settings: Settings, store: HistoryStore, topics: Mapping[str, str] | None = None,
                  *, group_id: str = GROUP_ID, consumer=None):
-        from infra.bus import EventConsumer
-
         self.settings = settings
         self.store = store
         self.topics = dict(topics or catalog_topics())

@@ -37,9 +37,10 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from infra.http_server import BodyRefused, GuardedH11Protocol, bind, read_body
 from infra.settings import Settings
-from streams.history.sink import HistoryStore, QueryResult
 from streams.history.guard import HistoryBusy, NotReadOnly, QueryLimits, ReaderPool
+from streams.history.sink import HistoryStore, QueryResult, open_client, sql_literal
 
 log = logging.getLogger("tabloop.history")
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
@@ -185,8 +186,6 @@ def dashboard_data(store: HistoryStore, days: int = 30, project: str | None = No
 async def _read_body(request: Request) -> bytes | Response:
     """The body (``infra.http_server.read_body``: size checked before and while it is read, a deadline, a
     client that left mid-body answered quietly), or the response refusing it."""
-    from infra.http_server import BodyRefused, read_body
-
     try:
         return await read_body(request, MAX_QUERY_BYTES, BODY_TIMEOUT_S)
     except BodyRefused as refused:
@@ -195,8 +194,6 @@ async def _read_body(request: Request) -> bytes | Response:
 
 
 def _literal(value: str) -> str:
-    from streams.history.sink import sql_literal
-
     return sql_literal(value)
 
 
@@ -305,10 +302,6 @@ class HistoryServer:
                  body_timeout_s: float = BODY_TIMEOUT_S):
         import uvicorn
 
-        from infra.http_server import GuardedH11Protocol
-
-        from infra.http_server import bind
-
         self.socket = bind(host, port)
         self.host, self.port = host, self.socket.getsockname()[1]
         # The front door's deadlines: request line and headers within header_timeout_s of connecting, the body
@@ -367,8 +360,6 @@ class SqlClient:
         return self._query_sink(sql)
 
     def _query_server(self, sql: str) -> QueryResult:
-        from streams.history.sink import open_client
-
         if self._client is None:
             url = self.url
             self._client = ReaderPool(lambda: open_client(url), self.database, QueryLimits(), size=1)
