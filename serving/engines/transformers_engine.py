@@ -31,18 +31,20 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import queue
 import random
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator
 
 import torch
 from transformers.utils import logging as hf_logging
 
-from policy.models import CachedDecoder, use_torch_threads
+from policy.models import CachedDecoder, load_model, lora_target_modules, use_torch_threads
 from policy.named_models import resolve_model_spec
 from policy.sampling import GREEDY_TEMPERATURE, sampling_log_probs
 from serving.engines.base import Engine, GenerationRequest, TokenStep
@@ -146,8 +148,6 @@ class TransformersEngine(Engine):
 
     def __init__(self, model_spec: str, *, device: str = "cpu", max_batch: int = 8, batch_window_ms: float = 5.0,
                  policy_version: int = 0, max_adapters: int = 32):
-        from policy.models import load_model, lora_target_modules
-
         self.model_name = model_spec
         self.device = device
         self.max_batch = max_batch
@@ -264,39 +264,17 @@ class TransformersEngine(Engine):
             raise failure[0]
 
     def _build_version(self, version: int, uri: str, kind: str, project: str = "") -> _Policy:
-        """A model copy for a FULL version or a shared LoRA version (merged), loaded here, off the generation
-        thread; a project's LoRA version is only checked here, and becomes an adapter of the peft model on
-        the generation thread (``_resident``)."""
-        if version == 0 or not uri:
-            return _Policy(0, self._base_model)
-        path = uri.removeprefix("file://")
-        if kind == "LORA":
-            import json
-            from pathlib import Path
+        return build_version(version, uri, kind, project, base_model=self._base_model, clean_base=self._clean_base,
+                             device=self.device)
 
-            config = Path(path) / "adapter_config.json"
-            if not config.is_file():
-                raise FileNotFoundError(f"version {version}: no LoRA adapter at {path} (no adapter_config.json)")
-            json.loads(config.read_text())  # a broken file fails here, not on the generation thread
-            if project:
-                return _Policy(version, self._base_model, adapter=f"v{version}", source=(uri, kind))
-            from peft import PeftModel
-
-            with self._peft_lock:
-                wrapped = self._peft is not None
-                base = None if wrapped else copy.deepcopy(self._base_model)
-            if wrapped:  # the base now holds adapters: a clean copy comes from where the base came from
-                from policy.models import load_model
-
-                base, _ = load_model(self.model_name, device=self.device)
-            model = PeftModel.from_pretrained(base, path).merge_and_unload()
-        elif kind == "FULL":
-            from policy.models import load_model
-
-            model, _ = load_model(str(path), device=self.device)
-        else:
-            raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
-        return _Policy(version, model.eval(), source=(uri, kind))
+    def _clean_base(self):
+        """A copy of the base model without adapters, to merge a shared LoRA version into."""
+        with self._peft_lock:
+            wrapped = self._peft is not None
+            base = None if wrapped else copy.deepcopy(self._base_model)
+        if wrapped:  # the base now holds adapters: a clean copy comes from where the base came from
+            base, _ = load_model(self.model_name, device=self.device)
+        return base
 
     # -- the generation thread --------------------------------------------------
 
@@ -544,7 +522,7 @@ class TransformersEngine(Engine):
                 finish = "stop"
             elif len(slot.generated) >= req.max_new_tokens:
                 finish = "length"
-            slot.emit(TokenStep(token, logprob, self._new_text(slot, finish), slot.policy.version, finish,
+            slot.emit(TokenStep(token, logprob, new_text(self._tokenizer, slot, finish), slot.policy.version, finish,
                                 gate_logprob=gate_logprob))
             if finish:
                 slot.finish()
@@ -562,14 +540,39 @@ class TransformersEngine(Engine):
         batch.decoder.step(torch.tensor(next_ids, device=batch.decoder.device))
         return False
 
-    def _new_text(self, slot: _Slot, finish: str | None) -> str:
-        """The text the newest token adds (held back while it ends inside a multi-byte character)."""
-        ids = slot.generated[:-1] if finish == "stop" else slot.generated  # the end token shows no text
-        text = self._tokenizer.decode(ids, skip_special_tokens=False)
-        if text.endswith("\ufffd") and not finish:
-            return ""
-        new, slot.text_sent = text[slot.text_sent:], len(text)
-        return new
+
+def new_text(tokenizer, slot: _Slot, finish: str | None) -> str:
+    """The text ``slot``'s newest token adds (held back while it ends inside a multi-byte character)."""
+    ids = slot.generated[:-1] if finish == "stop" else slot.generated  # the end token shows no text
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    if text.endswith("\ufffd") and not finish:
+        return ""
+    new, slot.text_sent = text[slot.text_sent:], len(text)
+    return new
+
+
+def build_version(version: int, uri: str, kind: str, project: str, *, base_model, clean_base, device: str) -> _Policy:
+    """A model copy for a FULL version or a shared LoRA version (merged into ``clean_base()``), loaded off the
+    generation thread; a project's LoRA version is only checked here, and becomes an adapter of the peft model on
+    the generation thread (``TransformersEngine._resident``)."""
+    if version == 0 or not uri:
+        return _Policy(0, base_model)
+    path = uri.removeprefix("file://")
+    if kind == "LORA":
+        config = Path(path) / "adapter_config.json"
+        if not config.is_file():
+            raise FileNotFoundError(f"version {version}: no LoRA adapter at {path} (no adapter_config.json)")
+        json.loads(config.read_text())  # a broken file fails here, not on the generation thread
+        if project:
+            return _Policy(version, base_model, adapter=f"v{version}", source=(uri, kind))
+        from peft import PeftModel  # lazy: only a shared LoRA version needs it
+
+        model = PeftModel.from_pretrained(clean_base(), path).merge_and_unload()
+    elif kind == "FULL":
+        model, _ = load_model(str(path), device=device)
+    else:
+        raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
+    return _Policy(version, model.eval(), source=(uri, kind))
 
 
 def from_settings(settings) -> TransformersEngine:
