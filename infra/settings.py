@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 ENV_PREFIX = "TABLOOP_"
 CONFIG_VAR = "TABLOOP_CONFIG"
@@ -22,6 +22,15 @@ DEFAULT_CONFIG_FILE = "tabloop.yaml"
 REFERENCE_JUDGE_VARS = {"LLMASJUDGE_API_URL": "judge_api_url", "LLMASJUDGE_API_KEY": "judge_api_key",
                         "LLMASJUDGE_MODEL": "judge_model"}
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+FORMATS = {
+    "clickhouse_url": (r"(chdb://|https?://).*", "chdb:///path or http(s)://host:port", str),
+    "schema_registry_url": (r"https?://.*", "an http(s):// URL", str),
+    "kafka_heap": (r"\d+[kmgKMG]", "a JVM size such as 512m or 1g", str.lower),
+    "log_level": (r"(?i)DEBUG|INFO|WARNING|ERROR", "DEBUG, INFO, WARNING or ERROR", str.upper),
+}
+"""Text settings with a fixed form: field → (the pattern a value must match whole, what the error says was
+expected, how a valid value is normalised). Empty means "not set" except for ``REQUIRED_FORMATS``."""
+REQUIRED_FORMATS = {"kafka_heap", "log_level"}
 
 
 class SettingsError(ValueError):
@@ -240,39 +249,19 @@ class Settings(BaseModel):
     def _empty_is_none(cls, v):
         return None if v == "" else v
 
-    @field_validator("clickhouse_url")
+    @field_validator(*FORMATS)
     @classmethod
-    def _clickhouse(cls, v: str) -> str:
-        if v and not re.match(r"^(chdb://|https?://)", v):
-            raise ValueError(f"expected chdb:///path or http(s)://host:port, got {v!r}")
-        return v
+    def _formatted(cls, v: str, info: ValidationInfo) -> str:
+        pattern, expected, normalize = FORMATS[info.field_name]
+        if v and not re.fullmatch(pattern, v) or not v and info.field_name in REQUIRED_FORMATS:
+            raise ValueError(f"expected {expected}, got {v!r}")
+        return normalize(v)
 
     @field_validator("history_retention_days")
     @classmethod
     def _retention(cls, v: str) -> str:
         parse_retention(v)
         return v
-
-    @field_validator("schema_registry_url")
-    @classmethod
-    def _registry(cls, v: str) -> str:
-        if v and not re.match(r"^https?://", v):
-            raise ValueError(f"expected an http(s):// URL, got {v!r}")
-        return v
-
-    @field_validator("kafka_heap")
-    @classmethod
-    def _heap(cls, v: str) -> str:
-        if not re.fullmatch(r"\d+[kmgKMG]", v):
-            raise ValueError(f"expected a JVM size such as 512m or 1g, got {v!r}")
-        return v.lower()
-
-    @field_validator("log_level")
-    @classmethod
-    def _level(cls, v: str) -> str:
-        if v.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-            raise ValueError(f"expected DEBUG, INFO, WARNING or ERROR, got {v!r}")
-        return v.upper()
 
     # -- derived ------------------------------------------------------------
 
