@@ -1,13 +1,7 @@
 """The contract: Avro event schemas, the codec, the topic catalog."""
 
-from schemas.codec import (
-    Codec,
-    CorruptEventError,
-    EventDecodeError,
-    EventEncodeError,
-    TruncatedEventError,
-    UnknownSchemaError,
-)
+from schemas.codec import (Codec, CorruptEventError, EventDecodeError, EventEncodeError, TruncatedEventError,
+                           UnknownSchemaError)
 from schemas.events import EVENT_TYPES, Event, new_event
 
 __all__ = [

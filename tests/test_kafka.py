@@ -148,14 +148,18 @@ def test_ten_thousand_of_each_type_through_a_consumer_group(kafka, kafka_setting
     assert leftover == []
 
 
+def _topic_of_examples(settings, name: str, event_type: str, n: int, partitions: int):
+    """A new topic ``tabloop.test.<name>.<random>`` holding ``n`` example events of ``event_type``."""
+    topic = f"tabloop.test.{name}.{uuid.uuid4().hex[:6]}"
+    ensure_topics(settings, [Topic(topic, event_type, {}, partitions=partitions)])
+    events = [example_event(event_type, i) for i in range(n)]
+    _publish_all(settings, events, {event_type: topic})
+    return topic, events
+
+
 def test_consumer_resumes_from_committed_offsets(kafka_settings):
     ensure_topics(kafka_settings)
-    topic = f"tabloop.test.resume.{uuid.uuid4().hex[:6]}"
-    ensure_topics(kafka_settings, [Topic(topic, "FeedbackReceived", {}, partitions=3)])
-    events = [example_event("FeedbackReceived", i) for i in range(600)]
-    with EventProducer(kafka_settings) as producer:
-        for e in events:
-            producer.publish(e, topic=topic)
+    topic, events = _topic_of_examples(kafka_settings, "resume", "FeedbackReceived", 600, partitions=3)
     group = f"resume-{uuid.uuid4().hex[:6]}"
     first = []
     with EventConsumer(kafka_settings, group, [topic]) as consumer:
@@ -198,12 +202,7 @@ def _cli(settings, *args, timeout=60):
 
 
 def test_events_dump_prints_json_and_error_lines(kafka_settings):
-    topic = f"tabloop.test.dump.{uuid.uuid4().hex[:6]}"
-    ensure_topics(kafka_settings, [Topic(topic, "Episode", {}, partitions=2)])
-    events = [example_event("Episode", i) for i in range(30)]
-    with EventProducer(kafka_settings) as producer:
-        for e in events:
-            producer.publish(e, topic=topic)
+    topic, events = _topic_of_examples(kafka_settings, "dump", "Episode", 30, partitions=2)
     raw = Producer({"bootstrap.servers": kafka_settings.kafka_bootstrap})
     raw.produce(topic, b"\xc3\x01garbage-not-avro", key=b"bad")
     raw.flush(10)

@@ -213,14 +213,20 @@ def episode_ids(settings) -> set:
     return {r.event.record["completion_id"] for r in read_topic(settings, "tabloop.episodes") if r.event}
 
 
+def drill_start(kafka, tmp_path, *, idle_s: float = IDLE_S, **scenario_args):
+    """A drill's start: settings on the session's broker with the drills' windows, the topics, the scenario's
+    events, and the episodes already on the topic (earlier tests'), which the checks leave out."""
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
+                             join_lateness_s=LATENESS_S, idle_close_s=idle_s)
+    ensure_topics(settings)
+    events, expected, kinds = scenario(**scenario_args)
+    return settings, events, expected, kinds, episode_ids(settings)
+
+
 @pytest.mark.timeout(1800)  # the session's topics already hold other tests' events, which the worker reads too
 def test_ten_thousand_shuffled_events_give_exactly_the_expected_episodes(kafka, tmp_path):
-    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
-                             join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
-    ensure_topics(settings)
-    events, expected, kinds = scenario()
+    settings, events, expected, kinds, before = drill_start(kafka, tmp_path)
     assert all(v > 100 for v in kinds.values()), kinds  # every situation is well represented
-    before = episode_ids(settings)
     worker = start_worker(settings, "streams.log")
     try:
         with EventProducer(settings) as producer:
@@ -236,11 +242,7 @@ def test_ten_thousand_shuffled_events_give_exactly_the_expected_episodes(kafka, 
 
 @pytest.mark.timeout(1800)
 def test_sigkill_mid_stream_loses_nothing_and_doubles_nothing(kafka, tmp_path):
-    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
-                             join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
-    ensure_topics(settings)
-    events, expected, _ = scenario(seed=11, n_completions=3000, n_feedback=3000)
-    before = episode_ids(settings)
+    settings, events, expected, _, before = drill_start(kafka, tmp_path, seed=11, n_completions=3000, n_feedback=3000)
     worker = start_worker(settings, "streams-1.log")
     try:
         with EventProducer(settings) as producer:
@@ -358,11 +360,8 @@ def test_kafka_outage_of_thirty_seconds_loses_nothing_and_the_worker_resumes(kaf
     # Idle partitions close their windows by the wall clock after idle_close_s; an outage must not count as
     # idle time (with 3 s, feedback still waiting for its completion would close as unmatched meanwhile).
     idle_s = 90
-    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
-                             join_lateness_s=LATENESS_S, idle_close_s=idle_s)
-    ensure_topics(settings)
-    events, expected, _ = scenario(seed=13, n_completions=2000, n_feedback=2000)
-    before = episode_ids(settings)
+    settings, events, expected, _, before = drill_start(kafka, tmp_path, idle_s=idle_s, seed=13,
+                                                        n_completions=2000, n_feedback=2000)
     worker = start_worker(settings, "streams-1.log")
     try:
         with EventProducer(settings) as producer:
@@ -409,11 +408,8 @@ def test_kafka_stopped_thirty_seconds_under_steady_load_commits_no_episode_twice
     transaction outlived the rebalance that followed the outage, the worker read its input again from the
     committed offset, and sent the same episodes a second time into the same transaction (issue 44)."""
     idle_s = 90  # an outage is not idle time (see the test above)
-    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
-                             join_lateness_s=LATENESS_S, idle_close_s=idle_s)
-    ensure_topics(settings)
-    events, expected, _ = scenario(seed=17, n_completions=3000, n_feedback=3000)
-    before = episode_ids(settings)
+    settings, events, expected, _, before = drill_start(kafka, tmp_path, idle_s=idle_s, seed=17,
+                                                        n_completions=3000, n_feedback=3000)
     worker = start_worker(settings, "streams-1.log")
     try:
         load = publish_steadily(settings, events, per_second=60)
@@ -444,12 +440,8 @@ def test_workers_joining_and_leaving_under_steady_load_commit_no_episode_twice(k
     events keep coming: every rebalance lands in the middle of a commit interval's work. Before the fix the
     worker that kept a partition kept its open transaction too, read the partition again from its committed
     offset and sent that work's episodes a second time into the same transaction (issue 44)."""
-    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
-                             join_lateness_s=LATENESS_S, idle_close_s=IDLE_S)
-    ensure_topics(settings)
     join_after_ms = 40
-    events, expected, _ = scenario(seed=19, n_completions=1500, n_feedback=1500)
-    before = episode_ids(settings)
+    settings, events, expected, _, before = drill_start(kafka, tmp_path, seed=19, n_completions=1500, n_feedback=1500)
     load = publish_steadily(settings, events, per_second=60)
     workers = [start_worker(settings, "streams-1.log")]
     try:
