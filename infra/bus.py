@@ -11,9 +11,9 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewPartitions, NewTopic
 
 from infra.settings import Settings
@@ -377,6 +377,28 @@ def decode_message(codec: Codec, m, decode: bool = True) -> Received | None:
     except EventDecodeError as exc:
         event, error = None, exc
     return Received(m.topic(), m.partition(), m.offset(), m.key(), value, event, error)
+
+
+def whole_topic_reader(settings: Settings, group_id: str, topic: str) -> Consumer:
+    """A consumer of ``topic``'s one partition from its first offset that commits nothing: for a watcher that
+    folds the whole topic into its state again at every start (weight versions, show-gates)."""
+    consumer = Consumer({"bootstrap.servers": settings.kafka_bootstrap, "group.id": group_id,
+                         "enable.auto.commit": False, "log_level": 3})
+    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    return consumer
+
+
+def decoded_records(codec: Codec, messages, what: str) -> Iterator[dict]:
+    """The records of a batch a watcher polled: a message's error (the topic not created yet) passed over, as
+    the watcher keeps polling; an undecodable event logged, naming ``what`` it was, and passed over."""
+    for m in messages:
+        if m.error() is not None:
+            continue
+        received = decode_message(codec, m)
+        if received.event is None:
+            log.error("undecodable %s event at offset %d: %s", what, m.offset(), received.error)
+            continue
+        yield received.event.record
 
 
 _LEADERSHIP_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,

@@ -13,9 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-from infra.bus import decode_message, make_codec
+from infra.bus import decoded_records, make_codec, whole_topic_reader
 from infra.settings import Settings
 from policy.show_gate import Gate, gate_for, serving_gates
 from schemas.topics import GATES
@@ -46,20 +44,11 @@ class GateWatcher:
         self._thread.join(timeout=5)
 
     def _follow(self) -> None:
-        consumer = Consumer({"bootstrap.servers": self.settings.kafka_bootstrap, "group.id": "tabloop-gates",
-                             "enable.auto.commit": False, "log_level": 3})
-        consumer.assign([TopicPartition(GATES.name, 0, OFFSET_BEGINNING)])
+        consumer = whole_topic_reader(self.settings, "tabloop-gates", GATES.name)
         try:
             while not self._stop.is_set():
                 changed = False
-                for m in consumer.consume(500, 0.5):
-                    if m.error() is not None:
-                        continue  # e.g. the topic is not created yet: keep polling
-                    received = decode_message(self.codec, m)
-                    if received.event is None:
-                        log.error("undecodable gate event at offset %d: %s", m.offset(), received.error)
-                        continue
-                    record = received.event.record
+                for record in decoded_records(self.codec, consumer.consume(500, 0.5), "gate"):
                     self.latest[(record.get("project_id") or "", record["version"])] = record
                     changed = True
                 if not changed:

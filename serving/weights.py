@@ -20,9 +20,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, replace
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-from infra.bus import decode_message, make_codec
+from infra.bus import decoded_records, make_codec, whole_topic_reader
 from infra.settings import Settings
 from policy.weight_store import local_path_of
 from schemas.topics import WEIGHTS
@@ -114,23 +112,15 @@ class WeightWatcher:
             await asyncio.wait([self._task], timeout=5)
 
     async def _follow(self) -> None:
-        consumer = Consumer({"bootstrap.servers": self.settings.kafka_bootstrap, "group.id": "tabloop-weights",
-                             "enable.auto.commit": False, "log_level": 3})
-        consumer.assign([TopicPartition(WEIGHTS.name, 0, OFFSET_BEGINNING)])
+        consumer = whole_topic_reader(self.settings, "tabloop-weights", WEIGHTS.name)
         current = {"": ServingPlan(promoted=(self.engine.policy_version, "", "FULL"))}
         try:
             while not self._stopping:
                 messages = await asyncio.to_thread(consumer.consume, 500, 0.5)
                 # Fold the whole batch first: catching up on history loads one version per project, not each.
                 wanted = current
-                for m in messages:
-                    if m.error() is not None:
-                        continue  # e.g. the topic is not created yet: keep polling
-                    received = decode_message(self.codec, m)
-                    if received.event is None:
-                        log.error("undecodable weight event at offset %d: %s", m.offset(), received.error)
-                        continue
-                    wanted = next_plans(wanted, received.event.record, self.engine.model_name)
+                for record in decoded_records(self.codec, messages, "weight"):
+                    wanted = next_plans(wanted, record, self.engine.model_name)
                 if wanted != current:
                     current = dict(current)
                     for project, plan in wanted.items():
