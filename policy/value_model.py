@@ -80,7 +80,7 @@ def score_candidates(model, tokenizer, prompt_ids: Sequence[int], candidates: Se
     together right-padded (causal attention: padding after a row changes nothing before it); the vocabulary
     projection is applied only where a candidate or suffix token is predicted. At 256 prompt tokens and five
     candidates this costs about what one more greedy line does, where running five full rows cost five."""
-    import torch
+    import torch  # lazy: the heads (fit, value, choose) are numpy alone; only reading candidates runs the model
 
     suffix_ids = tokenizer.encode(suffix[:SUFFIX_CHARS], add_special_tokens=False)[:suffix_tokens]
     cand_ids = [tokenizer.encode(c, add_special_tokens=False) if c else [] for c in candidates]

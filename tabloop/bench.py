@@ -2,24 +2,43 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
 import signal
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
-from infra.settings import Settings
+import httpx
+from confluent_kafka import Consumer
+from confluent_kafka.admin import NewTopic
+
+from infra import bus
+from infra.bus import EventProducer, ensure_topics
+from infra.errors import TabloopError
+from infra.files import log_tail
+from infra.kafka_broker import SEVERAL_WORKERS_JOIN_WAIT_MS, LocalKafka, free_port
+from infra.settings import Settings, to_environ
+from policy.fim import QWEN_STOP_WORDS, build_fim_prompt
 from schemas.codec import Codec
-from schemas.events import EVENT_TYPES
+from schemas.events import EVENT_TYPES, new_event
 from schemas.examples import example_event
+from serving.engines import make_engine
+from serving.engines.base import GenerationRequest
 
 
 def _emit(result: dict) -> dict:
@@ -87,10 +106,6 @@ def bench_codec(n: int = 20_000, repeats: int = 3) -> dict:
 
 def bench_kafka(settings: Settings, n: int = 200_000, partitions: int = 6) -> dict:
     """Produce (acks=all, idempotent) then consume n CompletionServed events on a fresh topic."""
-    from confluent_kafka.admin import NewTopic
-
-    from infra import bus
-
     codec = Codec()
     topic = f"tabloop.bench.{uuid.uuid4().hex[:8]}"
     admin = bus.admin_client(settings)
@@ -157,8 +172,6 @@ def bench_kafka(settings: Settings, n: int = 200_000, partitions: int = 6) -> di
 
 
 def _percentiles(values: list[float]) -> dict:
-    import statistics
-
     if not values:
         return {}
     qs = statistics.quantiles(values, n=100, method="inclusive")
@@ -171,8 +184,8 @@ def bench_adapters(settings: Settings, *, rows: int = 8, adapters: int = 4, prom
     copy (how the shared policy's versions are served), one unmerged adapter of a peft model (a project's
     version), ``adapters`` adapters mixed in one batch (several projects), and base rows through the peft
     model; and the time to load one adapter into it (random adapters of rank ``rank``, on TABLOOP_MODEL)."""
-    import copy
-
+    # Lazy here and in bench_serving: the model code loads torch (seconds), which the codec, Kafka and
+    # pipeline benches of this module must not pay.
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -222,18 +235,7 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
                   rounds: int = 2) -> dict:
     """N concurrent streaming clients against the bare engine (in this process) and against the front door
     (a `tabloop serve` process on the same model, as a client would see it), in alternating rounds; ms."""
-    import asyncio
-    import logging
-    import subprocess
-
-    import httpx
-
-    from infra.kafka_broker import free_port
-    from infra.settings import to_environ
-    from serving.engines.base import GenerationRequest
-    from policy.fim import QWEN_STOP_WORDS, build_fim_prompt
-    from serving.engines import make_engine
-    from trainer.build_models import build_named_model
+    from trainer.build_models import build_named_model  # lazy: torch (see bench_adapters)
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures
     with scratch_dir("tabloop-bench-serving-") as state:
@@ -340,7 +342,8 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
             engine_q, door_q = out["engine"][what][q], out["front_door"][what][q]
             out[f"{key}_{q}_ms"] = round(door_q - engine_q, 2)
             out[f"{key}_{q}_ratio"] = round(door_q / engine_q - 1, 4) if engine_q else None
-    print(f"  TTFT p50 engine {out['engine']['ttft_ms']['p50']} ms, front door {out['front_door']['ttft_ms']['p50']} ms; "
+    print(f"  TTFT p50 engine {out['engine']['ttft_ms']['p50']} ms, "
+          f"front door {out['front_door']['ttft_ms']['p50']} ms; "
           f"p95 {out['engine']['ttft_ms']['p95']} vs {out['front_door']['ttft_ms']['p95']} ms; latency p50 "
           f"{out['engine']['latency_ms']['p50']} vs {out['front_door']['latency_ms']['p50']} ms", file=sys.stderr)
     return _emit(out)
@@ -349,11 +352,6 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
 def _pipeline_events(n: int, seed: int, start_ms: int, prefix: str, step_ms: float = 1.0) -> tuple[list, list]:
     """``n`` completions and one feedback for each: half carry our id (our API), half only the prompt
     and the text the IDE showed (Continue), which the worker matches by prompt within its window."""
-    import hashlib
-    from datetime import datetime, timezone
-
-    from schemas.events import new_event
-
     rng = random.Random(seed)
     completions, feedback = [], []
     for i in range(n):
@@ -399,16 +397,6 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
     2. Latency: with the worker caught up, completions and feedback published at ``rate`` feedback/s
        for ``seconds``; latency = feedback published → its episode readable (read_committed).
     """
-    import subprocess
-
-    from confluent_kafka import Consumer
-
-    from infra.bus import EventProducer, ensure_topics
-    from infra.errors import TabloopError
-    from infra.kafka_broker import SEVERAL_WORKERS_JOIN_WAIT_MS, LocalKafka, free_port
-    from infra.settings import to_environ
-    from infra.files import log_tail
-
     if not 1 <= workers <= settings.topic_partitions:
         raise TabloopError(f"--workers {workers}: give 1 to the topics' {settings.topic_partitions} partitions "
                            "(TABLOOP_TOPIC_PARTITIONS); a worker past that would get no partition")
@@ -521,6 +509,7 @@ def bench_pipeline(settings: Settings, *, n: int = 20_000, rate: int = 1000, sec
                   "worker_cpu_ms_per_episode": round(cpu_backlog / n * 1000, 3),
                   "episodes_per_worker_cpu_s": round(n / cpu_backlog) if cpu_backlog else None,
                   "worker_startup_s": round(t_first - t_start, 1),
-                  "feedback_rate_per_s": round(achieved), "live_episodes": len(latencies), "live_complete": done is not None,
+                  "feedback_rate_per_s": round(achieved), "live_episodes": len(latencies),
+                  "live_complete": done is not None,
                   "latency_ms_p50": lat.get("p50"), "latency_ms_p99": lat.get("p99"),
                   "goal": {"episodes_per_s": 5000, "latency_ms_p99": 500, "at_feedback_per_s": 1000}})

@@ -17,8 +17,8 @@ heads (``policy.value_model``) on the logprob figures alone (what the issue foun
 every figure, and on every figure plus the policy's hidden state (at the candidate's end, or after the
 suffix) projected on its top principal components; that head and the logprob one also with a show
 threshold on P(accept) × characters (the show-gate's rule: the highest that keeps ``TABLOOP_GATE_KEEP_CHARS``
-of the accepted characters on the fit half's cross-fitted choices). Each with its figures clustered by task and its paired-by-task difference
-from greedy (``trainer.proof.served``). Last line: one JSON object.
+of the accepted characters on the fit half's cross-fitted choices). Each with its figures clustered by task and
+its paired-by-task difference from greedy (``trainer.proof.served``). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -31,9 +31,23 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import click
 import numpy as np
 
-from policy.value_model import BASE_FEATURES, choose, expected_chars, fit_projection, fit_value_model
+from infra.errors import TabloopError
+from policy.fim import prompt_format, prompt_token_ids
+from policy.models import use_torch_threads
+from policy.show_gate import choose_threshold
+from policy.value_model import (BASE_FEATURES, ValueModel, choose, expected_chars, fit_projection, fit_value_model,
+                                request_features, score_candidates)
+from rewards.spec import RewardSpec
+from tabloop.loop_bench import resolve_model
+from trainer.build_models import build_named_model
+from trainer.proof.evaluate import load_policy, sample_draws
+from trainer.proof.intervals import INTERVALS_NOTE
+from trainer.proof.served import figures, paired_figures
+from trainer.proof.simulate import UserModel, decision_rows
+from trainer.proof.tasks import resolve_dataset
 
 REPORTED = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "kept_chars_per_request")
 LOGPROB_COLUMNS = tuple(BASE_FEATURES.index(n) for n in ("cand_mean_logprob", "cand_min_logprob", "cand_sum_logprob",
@@ -99,8 +113,6 @@ def fit_head(requests: Sequence[dict], *, columns: Sequence[int] = (), hidden: s
                 hid.append(req[hidden][i])
     base = np.asarray(base)
     projection = fit_projection(np.asarray(hid), pca) if hidden else None
-    from policy.value_model import ValueModel
-
     shell = ValueModel(coef=np.zeros(0), intercept=0.0, mean=np.zeros(0), scale=np.ones(0), columns=tuple(columns),
                        projection=projection)
     x = shell.features(base, np.asarray(hid) if hidden else None)
@@ -112,8 +124,6 @@ def cross_fitted_threshold(requests: Sequence[dict], folds: Sequence[int], keep:
     """The show threshold on P × chars chosen on the fit half's requests by the show-gate's rule
     (``policy.show_gate.choose_threshold``: the highest keeping ``keep`` of the accepted characters), each
     request's chosen candidate valued by a head fit without its fold (in-sample values flatter the head)."""
-    from policy.show_gate import choose_threshold
-
     values, gains = [], []
     for k in sorted(set(folds)):
         train = [r for r, f in zip(requests, folds) if f != k]
@@ -136,8 +146,6 @@ def cross_fitted_threshold(requests: Sequence[dict], folds: Sequence[int], keep:
 def sample_candidates(settings, model, tokenizer, tasks: Sequence, *, samples: int, temperature: float,
                       max_tokens: int, seed: int, batch_size: int, say) -> tuple[list[list[str]], dict]:
     """Each task's completions: greedy first, then the samples; and the seconds each pass took."""
-    from trainer.proof.evaluate import sample_draws
-
     def progress_of(what: str, total: int):
         done, shown_at = [0], [time.monotonic()]
 
@@ -165,9 +173,6 @@ def sample_candidates(settings, model, tokenizer, tasks: Sequence, *, samples: i
 
 def read_candidates(settings, model, tokenizer, tasks: Sequence, texts: Sequence[Sequence[str | None]], say) -> list:
     """Each task's candidates read by ``score_candidates`` (distinct texts once; nothing shown reads as "")."""
-    from policy.fim import prompt_format, prompt_token_ids
-    from policy.value_model import score_candidates
-
     fmt = prompt_format(tokenizer)
     budget = min(settings.max_prompt_tokens,
                  getattr(tokenizer, "model_max_length", settings.max_prompt_tokens) or settings.max_prompt_tokens)
@@ -186,9 +191,6 @@ def read_candidates(settings, model, tokenizer, tasks: Sequence, texts: Sequence
 def build_requests(tasks: Sequence, completions: Sequence[Sequence[str]], reads: Sequence[Sequence], user, spec
                    ) -> list[dict]:
     """Per task: its candidates' shown texts, the user's decision on each, and their features."""
-    from policy.value_model import request_features
-    from trainer.proof.simulate import decision_rows
-
     requests = []
     for i, (task, cands, rs) in enumerate(zip(tasks, completions, reads)):
         rows = decision_rows([task] * len(cands), list(cands), user, spec)
@@ -204,8 +206,6 @@ def build_requests(tasks: Sequence, completions: Sequence[Sequence[str]], reads:
 
 def chosen_rows(requests: Sequence[dict], picks: Sequence[int | None], tasks: Sequence, user, spec) -> list[dict]:
     """The decision row of each request's chosen candidate (nothing shown when None), tagged by task."""
-    from trainer.proof.simulate import decision_rows
-
     out = []
     for req, pick in zip(requests, picks):
         if pick is None:
@@ -224,12 +224,6 @@ def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples
     """Sample, read, fit on the fit half, report on the validation half (module docstring). ``cache``: a file
     the sampled candidates and their reads are kept in, and read back from when it is there (choosers can be
     re-run without resampling; delete it to resample)."""
-    from rewards.spec import RewardSpec
-    from trainer.proof.evaluate import load_policy
-    from trainer.proof.served import figures, paired_figures
-    from trainer.proof.simulate import UserModel, decision_rows
-    from trainer.proof.tasks import resolve_dataset
-
     started = time.monotonic()
     every = list(resolve_dataset("stdlib:train", seed=seed))
     picked = random.Random(f"{seed}:candidates").sample(every, min(tasks, len(every)))
@@ -338,8 +332,6 @@ def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples
 def results_table(result: dict) -> str:
     """The validation figures as markdown: each chooser's figures with their interval clustered by task, and
     accepted and kept characters per request minus greedy's, paired by task."""
-    from trainer.proof.intervals import INTERVALS_NOTE
-
     def cell(entry, key):
         value, (low, high) = entry.get(key), (entry.get("intervals_by_task") or {}).get(key) or (None, None)
         if value is None:
@@ -373,59 +365,46 @@ def write_result(result: dict, out_dir: Path) -> None:
     (out_dir / "table.md").write_text(results_table(result) + "\n")
 
 
-def _click():
-    import click
-
-    @click.command("candidates")
-    @click.option("--model", default=None,
-                  help="demo, smollm2, a model directory or a hub id (default: TABLOOP_MODEL).")
-    @click.option("--tasks", type=click.IntRange(min=8), default=200, show_default=True,
-                  help="Train-split tasks (a seeded sample), cut by file into fit and validation halves.")
-    @click.option("--samples", type=click.IntRange(min=0), default=4, show_default=True,
-                  help="Sampled candidates per task beside greedy.")
-    @click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=0.7, show_default=True)
-    @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-    @click.option("--rule", type=click.Choice(["exact", "similarity"]), default="exact", show_default=True)
-    @click.option("--threshold", type=click.FloatRange(0, 1), default=0.8, show_default=True)
-    @click.option("--pca", type=click.IntRange(min=0), default=8, show_default=True,
-                  help="Principal components of the hidden state the heads read.")
-    @click.option("--l2", type=click.FloatRange(min=0), default=1.0, show_default=True)
-    @click.option("--seed", type=int, default=0, show_default=True)
-    @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-candidates", show_default=True)
-    @click.option("--cache", type=click.Path(dir_okay=False), default=None,
-                  help="Keep the sampled candidates and their reads here, and reuse them when present.")
-    @click.pass_context
-    def bench_candidates(ctx, model, tasks, samples, temperature, max_tokens, rule, threshold, pca, l2, seed, out_dir,
-                         cache) -> None:
-        """Choosing among greedy and sampled candidates by reading the suffix (policy/value_model.py), fit and
-        measured on train tasks only, split by file. Last line: JSON."""
-        from infra.errors import TabloopError
-        from policy.models import use_torch_threads
-        from tabloop.loop_bench import resolve_model
-        from trainer.build_models import build_named_model
-
-        settings = ctx.find_root().obj
-        use_torch_threads(settings.torch_threads)
-        model_spec = resolve_model(settings, model) if model else build_named_model(settings)
-        say = lambda m: click.echo(m, err=True)  # noqa: E731
-        try:
-            result = run_candidates_bench(settings, model_spec, tasks=tasks, samples=samples,
-                                          temperature=temperature, max_tokens=max_tokens, rule=rule,
-                                          threshold=threshold, pca=pca, l2=l2, seed=seed,
-                                          cache=Path(cache) if cache else None, say=say)
-        except ValueError as exc:
-            raise TabloopError(str(exc)) from None
-        write_result(result, Path(out_dir))
-        say("bench candidates: validation half\n" + results_table(result))
-        print(json.dumps({"bench": "candidates", "tasks": result["tasks"],
-                          "validation_tasks": result["validation_tasks"],
-                          "validation": {name: {k: e[k] for k in ("n", *REPORTED)}
-                                         | {"accepted_chars_vs_greedy": e["vs_greedy"]["accepted_chars_per_request"]}
-                                         for name, e in result["validation"].items()},
-                          "show_thresholds": result["show_thresholds"], "wall_s": result["wall_s"]}))
-
-    return bench_candidates
-
-
-bench_candidates = _click()
+@click.command("candidates")
+@click.option("--model", default=None,
+              help="demo, smollm2, a model directory or a hub id (default: TABLOOP_MODEL).")
+@click.option("--tasks", type=click.IntRange(min=8), default=200, show_default=True,
+              help="Train-split tasks (a seeded sample), cut by file into fit and validation halves.")
+@click.option("--samples", type=click.IntRange(min=0), default=4, show_default=True,
+              help="Sampled candidates per task beside greedy.")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=0.7, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--rule", type=click.Choice(["exact", "similarity"]), default="exact", show_default=True)
+@click.option("--threshold", type=click.FloatRange(0, 1), default=0.8, show_default=True)
+@click.option("--pca", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Principal components of the hidden state the heads read.")
+@click.option("--l2", type=click.FloatRange(min=0), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-candidates", show_default=True)
+@click.option("--cache", type=click.Path(dir_okay=False), default=None,
+              help="Keep the sampled candidates and their reads here, and reuse them when present.")
+@click.pass_context
+def bench_candidates(ctx, model, tasks, samples, temperature, max_tokens, rule, threshold, pca, l2, seed, out_dir,
+                     cache) -> None:
+    """Choosing among greedy and sampled candidates by reading the suffix (policy/value_model.py), fit and
+    measured on train tasks only, split by file. Last line: JSON."""
+    settings = ctx.find_root().obj
+    use_torch_threads(settings.torch_threads)
+    model_spec = resolve_model(settings, model) if model else build_named_model(settings)
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    try:
+        result = run_candidates_bench(settings, model_spec, tasks=tasks, samples=samples,
+                                      temperature=temperature, max_tokens=max_tokens, rule=rule,
+                                      threshold=threshold, pca=pca, l2=l2, seed=seed,
+                                      cache=Path(cache) if cache else None, say=say)
+    except ValueError as exc:
+        raise TabloopError(str(exc)) from None
+    write_result(result, Path(out_dir))
+    say("bench candidates: validation half\n" + results_table(result))
+    print(json.dumps({"bench": "candidates", "tasks": result["tasks"],
+                      "validation_tasks": result["validation_tasks"],
+                      "validation": {name: {k: e[k] for k in ("n", *REPORTED)}
+                                     | {"accepted_chars_vs_greedy": e["vs_greedy"]["accepted_chars_per_request"]}
+                                     for name, e in result["validation"].items()},
+                      "show_thresholds": result["show_thresholds"], "wall_s": result["wall_s"]}))
 

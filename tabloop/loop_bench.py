@@ -73,18 +73,44 @@ decision and reward), ``loop.json`` (the result, also the last stdout line),
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import shutil
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import click
+
+from infra.bus import ensure_topics, read_topic
 from infra.errors import TabloopError
+from infra.files import log_tail
+from infra.kafka_broker import KafkaLaunchError, LocalKafka, free_port
+from policy.models import ModelLoadError
+from policy.named_models import NAMED_MODELS
+from policy.sampling import GREEDY_TEMPERATURE
+from policy.show_gate import Gate
+from policy.weight_store import read_weight_records
+from rewards.spec import RewardSpecs, acceptance_reward
+from schemas.topics import EPISODES, GATES
+from serving.completions import sampling_temperature
+from tabloop import supervisor as sv
+from tabloop.bench import stop_cleanly_on_sigterm
+from trainer.build_models import build_named_model
+from trainer.proof.evaluate import load_policy, sample_draws
 from trainer.proof.intervals import INTERVALS_NOTE, LEVEL
+from trainer.proof.served import (ConfidenceThreshold, choose_confidence_threshold, figures, paired_figures,
+                                  relative_change, served_rows)
+from trainer.proof.simulate import SimConfig, Simulation, UserModel, decision_rows, outcome_of, records_jsonl
+from trainer.proof.tasks import resolve_dataset
+from trainer.proof.teams import TEAMS, TeamUsers, quote_tasks, team_task
+from trainer.training_config import LoraTraining
 
 FIGURES = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "reward_mean")
 KEPT = "kept_chars_per_request"
@@ -104,7 +130,13 @@ SIM_PROJECT = "bench-loop"
 
 
 @dataclass(frozen=True)
-class LoopBenchConfig:
+class LoopBenchConfig(LoraTraining):
+    """The loop bench's run: its users and tasks, the online trainer's LoRA updates (``LoraTraining``: its
+    ``lr`` and ``lora_rank`` become ``TABLOOP_TRAINER_LR`` and ``TABLOOP_TRAINER_LORA_RANK``), the release
+    settings, and the held-out evaluation."""
+
+    what = "bench loop"
+
     minutes: float = 15.0
     users: int = 4
     model: str = "demo"
@@ -118,13 +150,10 @@ class LoopBenchConfig:
     """Use at most this many train-split tasks (None: all)."""
     rule: str = "exact"
     threshold: float = 0.8
-    seed: int = 0
     max_tokens: int = 32
     batch_size: int = 16
     """Episodes per policy update; every update is a version."""
     batch_wait_s: float = 20.0
-    lr: float = 1e-4
-    lora_rank: int = 8
     exploration_temperature: float | None = None
     eval_batch_size: int = 16
     max_evals: int | None = None
@@ -160,14 +189,13 @@ class LoopBenchConfig:
     (the join's default, as Cursor's spec leaves them out)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.minutes <= 0:
             raise ValueError(f"minutes must be positive, got {self.minutes}")
         if self.users < 1 or (self.heldout is not None and self.heldout < 1) or self.draws < 1:
             raise ValueError("users, heldout and draws must be at least 1")
         if self.threshold_tasks < 0:
             raise ValueError(f"threshold_tasks must be 0 or more, got {self.threshold_tasks}")
-        from trainer.proof.teams import TEAMS
-
         if self.team is not None and self.team not in TEAMS:
             raise ValueError(f"team must be one of {', '.join(TEAMS)}, got {self.team!r}")
         if not 0 <= self.abandon_share < 1:
@@ -189,8 +217,6 @@ class LoopBenchConfig:
 
 def heldout_rows(version: int, tasks: Sequence, completions: Sequence[str], user_model, spec) -> list[dict]:
     """One row per held-out request (``trainer.proof.simulate.decision_rows``), tagged with the version."""
-    from trainer.proof.simulate import decision_rows
-
     return [{"version": version, **row} for row in decision_rows(tasks, completions, user_model, spec)]
 
 
@@ -318,10 +344,8 @@ def goal(first: dict, last: dict, to_policy_s: float | None, chars_difference: d
     0's served policy. Accepted characters per request are "not lower" when the paired difference's interval
     (``chars_difference``, last − first over the same tasks) reaches 0; without it, when the last's is at
     least the first's. ``kept_difference``, the same for kept characters, comes along (issue 41)."""
-    from trainer.proof.served import relative_change as rel
-
-    accept_gain = rel(last["accept_rate_shown"], first["accept_rate_shown"])
-    shown_change = rel(last["shown_share"], first["shown_share"])
+    accept_gain = relative_change(last["accept_rate_shown"], first["accept_rate_shown"])
+    shown_change = relative_change(last["shown_share"], first["shown_share"])
     chars_first, chars_last = first["accepted_chars_per_request"], last["accepted_chars_per_request"]
     if chars_difference is not None and chars_difference.get("high") is not None:
         chars_ok = chars_difference["high"] >= 0
@@ -343,10 +367,9 @@ def team_goal(first: dict, last: dict, difference: dict | None = None) -> dict:
     """Issue 28's goal for the team loop: the team's held-out accept rate among shown up 50 % relative to
     version 0, the last version's Wilson interval beside version 0's; the same clustered by task, and
     ``difference`` (last − first, paired by task) with whether its interval is above 0."""
-    from trainer.proof.served import relative_change
-
     gain = relative_change(last["accept_rate_shown"], first["accept_rate_shown"])
-    intervals = {label: e.get("intervals", {}).get("accept_rate_shown") for label, e in (("first", first), ("last", last))}
+    intervals = {label: e.get("intervals", {}).get("accept_rate_shown")
+                 for label, e in (("first", first), ("last", last))}
     by_task = {label: e.get("intervals_by_task", {}).get("accept_rate_shown")
                for label, e in (("first", first), ("last", last))}
     return {"accept_rate_rel_change": gain, "accept_rate_shown_intervals": intervals,
@@ -367,9 +390,7 @@ def plot(result: dict, path: Path) -> Path:
     (no gate, and the last gate served with each version), the greedy always-show reference of version 0
     (dotted), the same under its confidence threshold (dash-dotted), and the train-split traffic served online
     (dashed)."""
-    import textwrap
-
-    import matplotlib
+    import matplotlib  # lazy: only the plot needs it, and pyplot must load after the Agg backend is chosen
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -438,8 +459,6 @@ def _error_bar(entry: dict, key: str) -> tuple[float, float]:
 def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: str):
     """The bench's system: its own state dir, broker and ports, open auth on loopback, and a trainer that
     publishes (and promotes) a version per update."""
-    from infra.kafka_broker import free_port
-
     update = {
         "state_dir": state_dir, "kafka_bootstrap": f"127.0.0.1:{free_port()}", "serve_host": "127.0.0.1",
         "completions_port": free_port(), "feedback_port": free_port(), "history_port": free_port(),
@@ -471,9 +490,6 @@ def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: s
 def resolve_model(base, model: str) -> str:
     """``demo``/``smollm2`` (``NAMED_MODELS``): that model of the configured state dir (built there once, then
     reused); else a path or hub id as given."""
-    from policy.named_models import NAMED_MODELS
-    from trainer.build_models import build_named_model
-
     if model in NAMED_MODELS:
         return build_named_model(base.model_copy(update={"model": model}))
     return model
@@ -481,16 +497,6 @@ def resolve_model(base, model: str) -> str:
 
 def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
                    log: Callable[[str], None] | None = None) -> dict:
-    from tabloop import supervisor as sv
-    from tabloop.bench import stop_cleanly_on_sigterm
-    from infra.bus import ensure_topics, read_topic
-    from infra.kafka_broker import LocalKafka
-    from schemas.topics import EPISODES
-    from rewards.spec import RewardSpecs
-    from schemas.topics import GATES
-    from trainer.proof.simulate import SimConfig, Simulation, records_jsonl
-    from policy.weight_store import read_weight_records
-
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -525,8 +531,6 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
             duration_s=config.minutes * 60, rule=config.rule, threshold=config.threshold,
             max_tokens=config.max_tokens, seed=config.seed, project=SIM_PROJECT, progress_every_s=30,
             abandon_share=config.abandon_share)
-        import asyncio
-
         report = asyncio.run(Simulation(train, sim_config, log=say, user_model=user_model).run())
         records = [asdict(r) for r in report.records]
         (out_dir / "requests.jsonl").write_text(records_jsonl(report))
@@ -624,10 +628,6 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
 def tasks_and_user(config: LoopBenchConfig):
     """(train tasks, held-out tasks, the users' decision rule): the standard library's splits and
     ``UserModel(rule, threshold)``; for a team, its string-literal tasks in its quotes and its user."""
-    from trainer.proof.simulate import UserModel
-    from trainer.proof.tasks import resolve_dataset
-    from trainer.proof.teams import TeamUsers, quote_tasks, team_task
-
     if config.team is None:
         return (resolve_dataset("stdlib:train", seed=config.seed, limit=config.train_limit),
                 resolve_dataset("stdlib:heldout", seed=config.seed, limit=config.heldout),
@@ -640,8 +640,6 @@ def tasks_and_user(config: LoopBenchConfig):
 def served_temperature(settings, sim_config, config: LoopBenchConfig) -> float:
     """The temperature held-out draws are sampled at: ``eval_temperature`` if given, else what the door
     serves the simulated users' requests at (``serving.completions.sampling_temperature``)."""
-    from serving.completions import sampling_temperature
-
     if config.eval_temperature is not None:
         return config.eval_temperature
     return sampling_temperature(sim_config.temperature, settings)
@@ -655,11 +653,6 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
     gate, then each gate version served with it, decide on them. The reference carries the confidence-threshold
     baseline (``reference["threshold_baseline"]``, its threshold chosen on ``train`` tasks), and every entry
     its paired difference with the reference (``vs_reference``)."""
-    from policy.sampling import GREEDY_TEMPERATURE
-    from policy.show_gate import Gate
-    from trainer.proof.evaluate import load_policy, sample_draws
-    from trainer.proof.served import figures, paired_figures, served_rows
-
     def sample(model, tokenizer, tasks, draws: int, temp: float, **kwargs):
         return sample_draws(model, tokenizer, tasks, draws=draws, temperature=temp, top_p=1.0,
                             max_new_tokens=config.max_tokens, batch_size=config.eval_batch_size,
@@ -681,7 +674,7 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
             if config.threshold_tasks and train:
                 baseline, rows = threshold_baseline(
                     config, settings, train, greedy_draws, greedy, heldout, user_model, spec,
-                    lambda tasks: sample(model, tokenizer, tasks, 1, 0.0, gate_temperature=1.0))
+                    lambda tasks, v0=model: sample(v0, tokenizer, tasks, 1, 0.0, gate_temperature=1.0))
                 rows_all += [{"version": 0, "gate_version": None, "policy": "reference_threshold", **r} for r in rows]
                 reference["threshold_baseline"] = baseline
                 say(f"bench loop: reference (v0 greedy, mean token probability ≥ {baseline['threshold']}, chosen on "
@@ -729,11 +722,6 @@ def threshold_baseline(config: LoopBenchConfig, settings, train: Sequence, greed
     user, by the show-gate's rule at ``TABLOOP_GATE_KEEP_CHARS`` (``choose_confidence_threshold``); the
     held-out tasks are only measured. ``greedy_draws``/``greedy_rows``: version 0's greedy held-out draws
     (with temperature-1 log-probabilities) and the always-show reference's rows on them."""
-    import random
-
-    from trainer.proof.served import (ConfidenceThreshold, choose_confidence_threshold, figures, paired_figures,
-                                      served_rows)
-
     picked = list(train)
     if len(picked) > config.threshold_tasks:
         picked = random.Random(f"{config.seed}:threshold").sample(picked, config.threshold_tasks)
@@ -796,8 +784,6 @@ def results_table(result: dict) -> str:
 
 
 def _wait_healthy(supervisor, timeout_s: float, log_path: Path) -> None:
-    from infra.files import log_tail
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if supervisor.all_healthy():
@@ -822,9 +808,6 @@ def _published(weight_records: Sequence[dict], base_model: str) -> dict[int, flo
 
 def _online_rewards(records: Sequence[dict], spec) -> dict[int, float]:
     """Mean reward of the requests each version served (the users' outcomes; nothing shown: ignored)."""
-    from rewards.spec import acceptance_reward
-    from trainer.proof.simulate import outcome_of
-
     sums: dict[int, list[float]] = {}
     for r in records:
         if r["error"] is not None or r["policy_version"] is None:
@@ -839,106 +822,92 @@ def _online_rewards(records: Sequence[dict], spec) -> dict[int, float]:
 QUICK = {"minutes": 2.0, "users": 2, "heldout": 16, "batch_size": 8, "batch_wait_s": 10.0, "threshold_tasks": 16}
 
 
-def _click():
-    import click
-
-    from trainer.proof.teams import TEAMS as TEAM_NAMES
-
-    @click.command("loop")
-    @click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
-                  help="How long the simulated users work (default 15; --quick: 2).")
-    @click.option("--users", type=click.IntRange(min=1), default=None, help="Simulated users (default 4).")
-    @click.option("--model", default="demo", show_default=True,
-                  help="demo or smollm2 (built once in the configured state dir), or a model directory.")
-    @click.option("--heldout", type=click.IntRange(min=1), default=None,
-                  help="Held-out tasks evaluated at every version (default: all of the split; --quick: 16).")
-    @click.option("--draws", type=click.IntRange(min=1), default=2, show_default=True,
-                  help="Completions sampled per held-out task and weight version (the served policy samples).")
-    @click.option("--team", type=click.Choice(sorted(TEAM_NAMES)), default=None,
-                  help="The team loop: that team's users and tasks (trainer.proof.teams), LoRA updates, the "
-                       "show-gate off; --threshold defaults to 0.3 there.")
-    @click.option("--train-limit", type=click.IntRange(min=1), default=None,
-                  help="Use at most this many train-split tasks (default: all).")
-    @click.option("--rule", type=click.Choice(["exact", "similarity"]), default="exact", show_default=True,
-                  help="When a simulated user accepts (online and on held-out tasks).")
-    @click.option("--threshold", type=click.FloatRange(0, 1), default=None,
-                  help="The users' similarity threshold (default 0.8; with --team 0.3, the teams bench's).")
-    @click.option("--batch-size", type=click.IntRange(min=1), default=None,
-                  help="Episodes per policy update; each update is a version (default 16).")
-    @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-4, show_default=True)
-    @click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
-    @click.option("--exploration-temperature", type=click.FloatRange(0, 2), default=None,
-                  help="Serve at this temperature instead of the users' 0.01.")
-    @click.option("--eval-temperature", type=click.FloatRange(0, 2), default=None,
-                  help="Held-out draws at this temperature (default: the one the door serves the users at; "
-                       "0: greedy).")
-    @click.option("--threshold-tasks", type=click.IntRange(min=0), default=None,
-                  help="Train-split tasks the confidence-threshold baseline's threshold is chosen on (default 100; "
-                       "--quick: 16; 0: no such baseline).")
-    @click.option("--max-evals", type=click.IntRange(min=2), default=None,
-                  help="Evaluate at most this many versions: 0, the last, and evenly spaced ones (default: all).")
-    @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-    @click.option("--abandon-share", type=click.FloatRange(0, 1, max_open=True), default=0.15, show_default=True,
-                  help="Share of requests a user types past and drops after the first chunk (no feedback: with "
-                       "--ignored-ttl they become IGNORED episodes with reward 0).")
-    @click.option("--max-staleness", type=click.IntRange(min=0), default=16, show_default=True,
-                  help="The trainer drops episodes from policies this many versions older.")
-    @click.option("--ignored-ttl", type=click.FloatRange(min=0), default=15.0, show_default=True,
-                  help="Seconds after which a served completion with no feedback (an empty suggestion, never "
-                       "shown) becomes an IGNORED episode with reward 0; 0: no IGNORED episodes.")
-    @click.option("--save-every", type=click.IntRange(min=1), default=1, show_default=True,
-                  help="Updates per published version.")
-    @click.option("--canary-share", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
-                  help="> 0: each version goes out as a canary on this share of requests (TABLOOP_CANARY_SHARE).")
-    @click.option("--canary-min-episodes", type=click.IntRange(min=1), default=50, show_default=True)
-    @click.option("--promote-gate", type=click.Choice(["none", "ope", "shadow"]), default="none", show_default=True,
-                  help="TABLOOP_PROMOTE_GATE; with ope or shadow, loop.json compares each version's estimate "
-                       "with what its canary measured (ope_vs_canary).")
-    @click.option("--gate-share", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.1,
-                  show_default=True, help="Share of episodes held out of training for the gate.")
-    @click.option("--gate-min-episodes", type=click.IntRange(min=1), default=100, show_default=True)
-    @click.option("--seed", type=int, default=0, show_default=True)
-    @click.option("--quick", is_flag=True, help="A short smoke run (2 minutes, 2 users, 16 held-out tasks).")
-    @click.option("--keep-state", is_flag=True, help="Keep the bench's state dir (Kafka data, weights, logs).")
-    @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-loop", show_default=True,
-                  help="Where loop.json, loop.png and the recorded requests go.")
-    @click.pass_context
-    def bench_loop(ctx, minutes, users, model, heldout, draws, team, train_limit, rule, threshold, batch_size, lr, lora_rank,
-                   exploration_temperature, eval_temperature, threshold_tasks, max_evals, max_tokens, abandon_share,
-                   max_staleness,
-                   ignored_ttl, save_every, canary_share, canary_min_episodes, promote_gate, gate_share,
-                   gate_min_episodes, seed, quick, keep_state, out_dir) -> None:
-        """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
-        split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
-        from infra.kafka_broker import KafkaLaunchError
-        from policy.models import ModelLoadError
-
-        defaults = {"minutes": 15.0, "users": 4, "heldout": None, "batch_size": 16, "batch_wait_s": 20.0,
-                    "threshold_tasks": 100}
-        if quick:
-            defaults.update(QUICK)
-        given = {"minutes": minutes, "users": users, "heldout": heldout, "batch_size": batch_size,
-                 "threshold_tasks": threshold_tasks}
-        chosen = {k: (given.get(k) if given.get(k) is not None else v) for k, v in defaults.items()}
-        try:
-            if threshold is None:
-                threshold = 0.3 if team else 0.8
-            config = LoopBenchConfig(**chosen, model=model, train_limit=train_limit, rule=rule, threshold=threshold,
-                                     draws=draws, team=team,
-                                     lr=lr, lora_rank=lora_rank, exploration_temperature=exploration_temperature,
-                                     eval_temperature=eval_temperature, max_evals=max_evals,
-                                     max_tokens=max_tokens, seed=seed, keep_state=keep_state,
-                                     abandon_share=abandon_share, max_staleness=max_staleness,
-                                     ignored_ttl_s=ignored_ttl or None, save_every=save_every,
-                                     canary_share=canary_share, canary_min_episodes=canary_min_episodes,
-                                     promote_gate=promote_gate, gate_share=gate_share,
-                                     gate_min_episodes=gate_min_episodes)
-            result = run_loop_bench(ctx.find_root().obj, config, Path(out_dir))
-        except (ValueError, RuntimeError, KafkaLaunchError, ModelLoadError) as exc:
-            raise TabloopError(str(exc)) from None
-        print(json.dumps(result))
-
-    return bench_loop
-
-
-bench_loop = _click()
+@click.command("loop")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="How long the simulated users work (default 15; --quick: 2).")
+@click.option("--users", type=click.IntRange(min=1), default=None, help="Simulated users (default 4).")
+@click.option("--model", default="demo", show_default=True,
+              help="demo or smollm2 (built once in the configured state dir), or a model directory.")
+@click.option("--heldout", type=click.IntRange(min=1), default=None,
+              help="Held-out tasks evaluated at every version (default: all of the split; --quick: 16).")
+@click.option("--draws", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Completions sampled per held-out task and weight version (the served policy samples).")
+@click.option("--team", type=click.Choice(sorted(TEAMS)), default=None,
+              help="The team loop: that team's users and tasks (trainer.proof.teams), LoRA updates, the "
+                   "show-gate off; --threshold defaults to 0.3 there.")
+@click.option("--train-limit", type=click.IntRange(min=1), default=None,
+              help="Use at most this many train-split tasks (default: all).")
+@click.option("--rule", type=click.Choice(["exact", "similarity"]), default="exact", show_default=True,
+              help="When a simulated user accepts (online and on held-out tasks).")
+@click.option("--threshold", type=click.FloatRange(0, 1), default=None,
+              help="The users' similarity threshold (default 0.8; with --team 0.3, the teams bench's).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Episodes per policy update; each update is a version (default 16).")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-4, show_default=True)
+@click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--exploration-temperature", type=click.FloatRange(0, 2), default=None,
+              help="Serve at this temperature instead of the users' 0.01.")
+@click.option("--eval-temperature", type=click.FloatRange(0, 2), default=None,
+              help="Held-out draws at this temperature (default: the one the door serves the users at; "
+                   "0: greedy).")
+@click.option("--threshold-tasks", type=click.IntRange(min=0), default=None,
+              help="Train-split tasks the confidence-threshold baseline's threshold is chosen on (default 100; "
+                   "--quick: 16; 0: no such baseline).")
+@click.option("--max-evals", type=click.IntRange(min=2), default=None,
+              help="Evaluate at most this many versions: 0, the last, and evenly spaced ones (default: all).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--abandon-share", type=click.FloatRange(0, 1, max_open=True), default=0.15, show_default=True,
+              help="Share of requests a user types past and drops after the first chunk (no feedback: with "
+                   "--ignored-ttl they become IGNORED episodes with reward 0).")
+@click.option("--max-staleness", type=click.IntRange(min=0), default=16, show_default=True,
+              help="The trainer drops episodes from policies this many versions older.")
+@click.option("--ignored-ttl", type=click.FloatRange(min=0), default=15.0, show_default=True,
+              help="Seconds after which a served completion with no feedback (an empty suggestion, never "
+                   "shown) becomes an IGNORED episode with reward 0; 0: no IGNORED episodes.")
+@click.option("--save-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Updates per published version.")
+@click.option("--canary-share", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="> 0: each version goes out as a canary on this share of requests (TABLOOP_CANARY_SHARE).")
+@click.option("--canary-min-episodes", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--promote-gate", type=click.Choice(["none", "ope", "shadow"]), default="none", show_default=True,
+              help="TABLOOP_PROMOTE_GATE; with ope or shadow, loop.json compares each version's estimate "
+                   "with what its canary measured (ope_vs_canary).")
+@click.option("--gate-share", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.1,
+              show_default=True, help="Share of episodes held out of training for the gate.")
+@click.option("--gate-min-episodes", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--quick", is_flag=True, help="A short smoke run (2 minutes, 2 users, 16 held-out tasks).")
+@click.option("--keep-state", is_flag=True, help="Keep the bench's state dir (Kafka data, weights, logs).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-loop", show_default=True,
+              help="Where loop.json, loop.png and the recorded requests go.")
+@click.pass_context
+def bench_loop(ctx, minutes, users, model, heldout, draws, team, train_limit, rule, threshold, batch_size, lr,
+               lora_rank, exploration_temperature, eval_temperature, threshold_tasks, max_evals, max_tokens,
+               abandon_share, max_staleness, ignored_ttl, save_every, canary_share, canary_min_episodes, promote_gate,
+               gate_share, gate_min_episodes, seed, quick, keep_state, out_dir) -> None:
+    """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
+    split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
+    defaults = {"minutes": 15.0, "users": 4, "heldout": None, "batch_size": 16, "batch_wait_s": 20.0,
+                "threshold_tasks": 100}
+    if quick:
+        defaults.update(QUICK)
+    given = {"minutes": minutes, "users": users, "heldout": heldout, "batch_size": batch_size,
+             "threshold_tasks": threshold_tasks}
+    chosen = {k: (given.get(k) if given.get(k) is not None else v) for k, v in defaults.items()}
+    try:
+        if threshold is None:
+            threshold = 0.3 if team else 0.8
+        config = LoopBenchConfig(**chosen, model=model, train_limit=train_limit, rule=rule, threshold=threshold,
+                                 draws=draws, team=team,
+                                 lr=lr, lora_rank=lora_rank, exploration_temperature=exploration_temperature,
+                                 eval_temperature=eval_temperature, max_evals=max_evals,
+                                 max_tokens=max_tokens, seed=seed, keep_state=keep_state,
+                                 abandon_share=abandon_share, max_staleness=max_staleness,
+                                 ignored_ttl_s=ignored_ttl or None, save_every=save_every,
+                                 canary_share=canary_share, canary_min_episodes=canary_min_episodes,
+                                 promote_gate=promote_gate, gate_share=gate_share,
+                                 gate_min_episodes=gate_min_episodes)
+        result = run_loop_bench(ctx.find_root().obj, config, Path(out_dir))
+    except (ValueError, RuntimeError, KafkaLaunchError, ModelLoadError) as exc:
+        raise TabloopError(str(exc)) from None
+    print(json.dumps(result))

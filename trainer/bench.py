@@ -18,6 +18,11 @@ import sys
 import time
 
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from policy.models import load_model
+from trainer.build_models import build_named_model
+from trainer.learner import PolicyTrainer, Sample, UpdateConfig, describe_device
 
 # bf16 dense peak TFLOP/s of accelerators we may meet.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0}
@@ -28,11 +33,6 @@ QWEN25_CODER_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8
 
 
 def _model(shape: str, settings, device: str, full: bool):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from policy.models import load_model
-    from trainer.build_models import build_named_model
-
     if shape == "tiny":
         return load_model(build_named_model(settings), device=device, dtype="float32")
     # Random weights in the real shape: what matters for speed is the shape, not the values.
@@ -63,8 +63,6 @@ def _peak(device: str, given: float | None) -> float | None:
 def bench_trainer(settings, *, model_shape: str = "tiny", modes=("lora", "full"), batch: int = 16,
                   micro_batch: int = 8, prompt_tokens: int = 256, completion_tokens: int = 32, updates: int = 5,
                   device: str = "auto", peak_tflops: float | None = None) -> dict:
-    from trainer.learner import PolicyTrainer, Sample, UpdateConfig, describe_device
-
     device = describe_device(device)
     result: dict = {"bench": "trainer", "model_shape": model_shape, "device": device, "batch": batch,
                     "micro_batch": micro_batch, "prompt_tokens": prompt_tokens,

@@ -6,14 +6,13 @@ trainer resolve ``TABLOOP_MODEL`` through here; the front door and the streams w
 from __future__ import annotations
 
 from policy.named_models import named_model_dir, resolve_model_spec
+from trainer.proof.demo_model import DemoConfig, build_demo_model, demo_marker
 
 
 def build_named_model(settings) -> str:
     """``resolve_model_spec``, building the demo model first when ``TABLOOP_MODEL`` names it and it is not
     built (``TABLOOP_DEMO_MINUTES``); a later call reuses what was built."""
     if settings.model == "demo":
-        from trainer.proof.demo_model import DemoConfig, build_demo_model, demo_marker
-
         out = named_model_dir(settings)
         if demo_marker(out) is None:
             build_demo_model(out, DemoConfig(minutes=settings.demo_minutes))

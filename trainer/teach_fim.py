@@ -21,36 +21,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from policy.models import FIM_TOKENS
+from policy.fim import prompt_format
+from policy.models import FIM_TOKENS, building_model_dir, load_model, lora_target_modules, write_model_marker
+from trainer.proof.demo_model import fim_examples, pretrain, training_summary
+from trainer.training_config import LoraTraining, Pretraining
 
 TAUGHT_TOKENS = (FIM_TOKENS["prefix"], FIM_TOKENS["suffix"], FIM_TOKENS["middle"])
 
 
 @dataclass(frozen=True)
-class TeachFimConfig:
+class TeachFimConfig(Pretraining, LoraTraining):
+    """The fine-tune: LoRA adapters (``LoraTraining``) and the three new token rows, on the demo model's
+    pretraining schedule and examples (``Pretraining``) with a fine-tune's defaults."""
+
+    what = "teach-fim"
+    MIN_SEQ_LEN = 64
+
     steps: int = 150
     minutes: float = 20.0
-    """Wall-clock cap on the fine-tune (loading and saving come on top)."""
     batch_size: int = 8
     lr: float = 5e-4
     warmup_steps: int = 10
     lora_rank: int = 16
     seq_len: int = 384
     per_file: int = 4
-    """FIM examples cut from each train-split file."""
-    plain_share: float = 0.1
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "lora_rank", "seq_len", "per_file"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"teach-fim {name} must be positive, got {getattr(self, name)}")
-        if self.minutes <= 0 or self.lr <= 0:
-            raise ValueError("teach-fim minutes and lr must be positive")
-        if not 0 <= self.plain_share < 1:
-            raise ValueError(f"teach-fim plain_share must be in [0, 1), got {self.plain_share}")
-        if self.seq_len < 64:
-            raise ValueError(f"teach-fim seq_len must be at least 64, got {self.seq_len}")
 
 
 def teach_fim(base_dir: Path, out_dir: Path, config: TeachFimConfig = TeachFimConfig(), *,
@@ -59,12 +53,7 @@ def teach_fim(base_dir: Path, out_dir: Path, config: TeachFimConfig = TeachFimCo
     """Write ``base_dir`` taught Qwen's FIM template to ``out_dir``; returns (out_dir, its marker).
 
     ValueError: the base model already has FIM tokens (it needs no teaching), or no train-split file."""
-    from peft import LoraConfig, get_peft_model
-
-    from policy.fim import prompt_format
-    from policy.models import building_model_dir, load_model, lora_target_modules, write_model_marker
-    from trainer.proof.demo_model import encode_examples, pretrain, training_summary
-    from trainer.proof.tasks import build_source_tasks
+    from peft import LoraConfig, get_peft_model  # lazy: `tabloop model demo` and `tiny` beside it need no peft
 
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     started = time.monotonic()
@@ -81,11 +70,7 @@ def teach_fim(base_dir: Path, out_dir: Path, config: TeachFimConfig = TeachFimCo
     embedding_name = next(name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is embeddings)
 
     say("teach-fim: cutting FIM examples from the standard library's train split")
-    tasks = build_source_tasks(sources, split="train", per_file=config.per_file, seed=config.seed,
-                               prefix_lines=30, suffix_lines=8)
-    if not tasks:
-        raise ValueError(f"no train-split Python files with code lines under {sources or 'the standard library'}")
-    examples = encode_examples(tasks, tokenizer, config.seq_len, seed=config.seed, plain_share=config.plain_share)
+    examples = fim_examples(config, tokenizer, sources)
 
     peft_model = get_peft_model(model, LoraConfig(
         r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules=lora_target_modules(model),

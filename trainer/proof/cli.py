@@ -6,11 +6,18 @@ Registered in ``tabloop/cli.py`` with one ``main.add_command`` line each.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 
+from infra.auth import KeyStore
 from infra.errors import TabloopError
+from rewards.judge import JudgeConfig
+from trainer.metrics import markdown_table
+from trainer.proof.simulate import SimConfig, UserModel, calls_jsonl, records_jsonl, summary_rate
+from trainer.proof.simulate import simulate as run_simulation
+from trainer.proof.tasks import TaskFormatError, resolve_dataset, save_tasks
 
 DATASET_HELP = ("humaneval (humaneval:train: problems 0-99; humaneval:heldout: the rest), stdlib:train, "
                 "stdlib:heldout, source:DIR[:split], or a JSONL file "
@@ -26,8 +33,6 @@ def _error(message: str) -> click.ClickException:
 
 
 def _tasks(spec: str, *, seed: int = 0, limit: int | None = None):
-    from trainer.proof.tasks import TaskFormatError, resolve_dataset
-
     try:
         return resolve_dataset(spec, seed=seed, limit=limit)
     except (TaskFormatError, FileNotFoundError, ValueError) as exc:
@@ -49,8 +54,6 @@ def tasks() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 def tasks_build(dataset: str, out_file: str, limit: int | None, seed: int) -> None:
     """Write DATASET's tasks as prefix/suffix/middle JSONL."""
-    from trainer.proof.tasks import save_tasks
-
     n = save_tasks(_tasks(dataset, seed=seed, limit=limit), out_file)
     click.echo(json.dumps({"dataset": dataset, "tasks": n, "out": out_file}))
 
@@ -104,16 +107,10 @@ def simulate(ctx: click.Context, dataset: str, users: int, n_requests: int, dura
     """Many simulated Continue users against the front door; last line: a JSON summary.
 
     DATASET (default stdlib:train): """
-    from trainer.proof.simulate import SimConfig, calls_jsonl, records_jsonl
-    from trainer.proof.simulate import simulate as run
-    from trainer.proof.simulate import summary_rate
-
     s = _settings(ctx)
     task_list = _tasks(dataset, seed=seed, limit=limit)
     keys = list(api_keys)
     if not keys and s.auth == "keys":
-        from infra.auth import KeyStore
-
         store = KeyStore(s.keys_file)
         keys = [store.add(project, f"sim-{i}") for i in range(users)]
         click.echo(f"simulate: made {users} API keys for project {project!r} in {s.keys_file}", err=True)
@@ -125,7 +122,7 @@ def simulate(ctx: click.Context, dataset: str, users: int, n_requests: int, dura
             routes=tuple(r.strip() for r in routes.split(",") if r.strip()), context_share=context_share,
             abandon_share=abandon_share, debounce_s=debounce_ms / 1000, max_tokens=max_tokens,
             temperature=temperature, seed=seed, api_keys=keys, project=project)
-        report = run(task_list, config)
+        report = run_simulation(task_list, config)
     except ValueError as exc:
         raise _error(str(exc)) from None
     summary = report.summary()
@@ -144,8 +141,6 @@ simulate.help = (simulate.help or "") + DATASET_HELP + "."
 def user_from_options(ctx: click.Context, scorer: str, rule: str, threshold: float):
     """The simulated user of ``--rule``/``--threshold``; a usage error when they are given without
     ``--scorer user``, which alone reads them (``tabloop eval``, ``tabloop train --offline``)."""
-    from trainer.proof.simulate import UserModel
-
     given = [n for n in ("rule", "threshold") if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
     if given and scorer != "user":
         raise click.UsageError("--rule and --threshold only apply with --scorer user")
@@ -192,11 +187,9 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
     judge score, share of empty suggestions; with --scorer user, a simulated user's accept rate among shown
     suggestions, share shown, accepted characters per request and mean reward. Prints a markdown table, then
     the JSON summary as the last line."""
-    from dataclasses import asdict
-
-    from trainer.proof.evaluate import evaluate, load_policy, scorer_reward_spec
-    from trainer.metrics import markdown_table
+    # Lazy: the model code loads torch (seconds), which `tabloop simulate` and `tabloop tasks` here must not pay.
     from policy.models import ModelLoadError
+    from trainer.proof.evaluate import evaluate, load_policy, scorer_reward_spec
 
     s = _settings(ctx)
     judge_config = None
@@ -206,8 +199,6 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
     except ValueError as exc:
         raise _error(str(exc)) from None
     if scorer == "judge":
-        from rewards.judge import JudgeConfig
-
         judge_url, judge_model = judge_url or s.judge_api_url, judge_model or s.judge_model
         if not judge_url or not judge_model:
             raise _error("--scorer judge needs a judge: --judge-url and --judge-model, or TABLOOP_JUDGE_API_URL "

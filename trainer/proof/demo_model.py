@@ -29,52 +29,41 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from policy.models import FIM_TOKENS, MODEL_MARKER, build_tokenizer, building_model_dir, write_model_marker
 from trainer.proof.tasks import FimTask, build_source_tasks, source_files, split_of
+from trainer.training_config import Pretraining
 
 IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
-class DemoConfig:
-    seed: int = 0
-    steps: int = 600
-    """Optimizer steps; about 8 minutes on two CPU cores."""
-    minutes: float = 8.0
-    """Wall-clock cap on pretraining (the tokenizer and the data come on top: under half a minute)."""
+class DemoConfig(Pretraining):
+    """The demo model: its shape, and its pretraining (``Pretraining``, whose defaults are this model's)."""
+
+    what = "demo model"
+
     vocab_size: int = 4096
     hidden_size: int = 192
     layers: int = 4
     heads: int = 6
     kv_heads: int = 2
     intermediate_size: int = 512
-    seq_len: int = 256
-    batch_size: int = 16
-    lr: float = 2e-3
-    warmup_steps: int = 30
-    per_file: int = 32
-    """FIM examples cut from each train-split file."""
-    plain_share: float = 0.1
-    """Share of examples that are plain left-to-right text (no FIM), so plain prompts work too."""
     max_files: int | None = None
+    """Cut examples from at most this many train-split files (None: all)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "vocab_size", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size",
-                     "seq_len", "batch_size", "per_file"):
+        super().__post_init__()
+        for name in ("vocab_size", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"demo model {name} must be positive, got {getattr(self, name)}")
-        if self.minutes <= 0:
-            raise ValueError(f"demo model minutes must be positive, got {self.minutes}")
         if self.hidden_size % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of heads ({self.heads}), "
                              f"and heads of kv_heads ({self.kv_heads})")
-        if self.seq_len < 32:
-            raise ValueError(f"seq_len must be at least 32, got {self.seq_len}")
 
     def identity(self) -> dict:
         """What decides the weights (the clock cap does not, unless it cut the run short)."""
@@ -118,12 +107,7 @@ def build_demo_model(out_dir: Path, config: DemoConfig = DemoConfig(), *, source
         tokenizer.save_pretrained(work)
 
         say("demo model: cutting FIM examples from the train split")
-        tasks = build_source_tasks(sources, split="train", per_file=config.per_file, seed=config.seed,
-                                   max_files=config.max_files, prefix_lines=30, suffix_lines=8)
-        if not tasks:
-            raise ValueError(f"no train-split Python files with code lines under {sources or 'the standard library'}")
-        examples = encode_examples(tasks, tokenizer, config.seq_len, seed=config.seed,
-                                   plain_share=config.plain_share)
+        examples = fim_examples(config, tokenizer, sources, max_files=config.max_files)
 
         model = new_model(config, tokenizer)
         say(f"demo model: pretraining {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on "
@@ -196,6 +180,19 @@ def encode_examples(tasks: Sequence[FimTask], tokenizer, seq_len: int, *, seed: 
     return out
 
 
+def fim_examples(config: Pretraining, tokenizer, sources: Path | None = None, *,
+                 max_files: int | None = None) -> list[list[int]]:
+    """``config.per_file`` FIM tasks cut from each train-split file under ``sources`` (default: the standard
+    library), the cursor inside a real line as in evaluation, encoded for ``pretrain`` (``encode_examples``).
+
+    ValueError: no train-split file with code lines."""
+    tasks = build_source_tasks(sources, split="train", per_file=config.per_file, seed=config.seed,
+                               max_files=max_files, prefix_lines=30, suffix_lines=8)
+    if not tasks:
+        raise ValueError(f"no train-split Python files with code lines under {sources or 'the standard library'}")
+    return encode_examples(tasks, tokenizer, config.seq_len, seed=config.seed, plain_share=config.plain_share)
+
+
 def collate(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, labels); padding is masked out of the loss."""
     width = max(len(x) for x in batch)
@@ -239,17 +236,7 @@ def lr_at_progress(step: int, progress: float, *, base: float, warmup: int) -> f
     return base * (1.0 - 0.9 * (p - start) / COOLDOWN_SHARE)
 
 
-class TrainingSchedule(Protocol):
-    """What ``pretrain`` reads of its config (``DemoConfig``; ``trainer.teach_fim.TeachFimConfig``)."""
-    steps: int
-    minutes: float
-    batch_size: int
-    lr: float
-    warmup_steps: int
-    seed: int
-
-
-def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: TrainingSchedule, *, pad_id: int,
+def pretrain(model: torch.nn.Module, examples: Sequence[Sequence[int]], config: Pretraining, *, pad_id: int,
              progress: bool = True) -> tuple[list[float], str]:
     """Next-token training on ``examples``; returns (loss per step, "steps" | "budget").
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
+import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,9 +34,16 @@ from typing import Callable, Sequence
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from infra.bus import read_topic
 from policy.fim import earliest_stop, prompt_format, prompt_token_ids
+from policy.models import load_model
+from policy.sampling import sampling_log_probs
 from policy.shown import kept_token_count, single_line_mode
-from rewards.spec import RewardSpec
+from rewards.judge import JudgeClient
+from rewards import sandbox
+from rewards.spec import RewardSpec, RewardSpecs
+from schemas.topics import WEIGHTS
+from trainer.build_models import build_named_model
 from trainer.metrics import Scored, summarize, user_figures
 from trainer.proof.simulate import CONTINUE_STOPS, UserModel, decision_rows
 from trainer.proof.tasks import FimTask, iter_batches
@@ -46,8 +55,6 @@ def scorer_reward_spec(settings, scorer: str) -> RewardSpec:
     """The rewards ``scorer`` reports: for ``user`` the settings' default spec, the one the streams worker
     rewards episodes with; Cursor's otherwise. Only the user scorer reads the spec file, so a bad one
     (ValueError, naming it) does not stop an exact-match run."""
-    from rewards.spec import RewardSpecs
-
     return RewardSpecs.from_settings(settings).default if scorer == "user" else RewardSpec()
 
 
@@ -57,9 +64,6 @@ def load_policy(settings, policy: str | None = None, *, model_spec: str | None =
     """(model, tokenizer, label) for ``policy``: None or "0" → the base model; a version number → that
     version from ``tabloop.weights``; a directory → its weights (a LoRA adapter if it has
     adapter_config.json, else a full model)."""
-    from policy.models import load_model
-    from trainer.build_models import build_named_model
-
     base_spec = model_spec or build_named_model(settings)
     model, tokenizer = load_model(base_spec, device=device)
     if policy is None or policy == "0":
@@ -77,9 +81,6 @@ def load_policy(settings, policy: str | None = None, *, model_spec: str | None =
 def published_version(settings, version: int, base_model: str) -> tuple[str, str]:
     """(uri, kind) of ``version`` of ``base_model`` on the weights topic: the hook between the trainer's
     weight store and evaluation is the same WeightVersion event serving replicas load from."""
-    from infra.bus import read_topic
-    from schemas.topics import WEIGHTS
-
     found = None
     for r in read_topic(settings, WEIGHTS.name, from_beginning=True):
         rec = r.event.record if r.event is not None else None
@@ -92,16 +93,12 @@ def published_version(settings, version: int, base_model: str) -> tuple[str, str
 
 def apply_weights(base: torch.nn.Module, uri: str, kind: str, device: str = "cpu") -> torch.nn.Module:
     """The base model with a version's weights, as serving's engine builds it."""
-    import copy
-
     path = uri.removeprefix("file://")
     if kind == "LORA":
-        from peft import PeftModel
+        from peft import PeftModel  # lazy: only a LoRA version's weights need peft (half a second to import)
 
         return PeftModel.from_pretrained(copy.deepcopy(base), path).merge_and_unload().eval()
     if kind == "FULL":
-        from policy.models import load_model
-
         return load_model(path, device=device)[0]
     raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
 
@@ -163,8 +160,6 @@ def sample_draws(model, tokenizer, tasks: Sequence[FimTask], *, draws: int = 1, 
     send, the two distributions are the same). ``gate_temperature``: the line's log-probabilities are taken
     at that temperature instead, as the door computes its show-gate's figures (``default_temperature``, the
     exploration temperature, whatever the request was drawn at: greedy draws' own are all 0)."""
-    from policy.sampling import sampling_log_probs
-
     fmt = prompt_format(tokenizer)  # the served model's prompt format, as the front door renders it
     stops = tuple(dict.fromkeys([*CONTINUE_STOPS, *fmt.stop_words]))
     budget = min(max_prompt_tokens, getattr(tokenizer, "model_max_length", max_prompt_tokens) or max_prompt_tokens)
@@ -231,8 +226,6 @@ def generate(model, tokenizer, tasks: Sequence[FimTask], *, max_new_tokens: int 
 def score_tests(tasks: Sequence[FimTask], completions: Sequence[str], *, workers: int = 2,
                 timeout_s: float = 10.0) -> list[bool]:
     """Whether each task's file with its completion passes the task's tests (in the sandbox)."""
-    from rewards.sandbox import run_tests
-
     missing = [t.task_id for t in tasks if t.test is None]
     if missing:
         raise ValueError(f"the tests scorer needs tasks with tests; {len(missing)} of {len(tasks)} have none "
@@ -240,16 +233,14 @@ def score_tests(tasks: Sequence[FimTask], completions: Sequence[str], *, workers
     # One uid per worker: runs of one uid share its process limit and could signal each other.
     def run(i: int) -> bool:
         uid = 65534 - (i % workers)
-        return run_tests(tasks[i].source_with(completions[i]), tests=tasks[i].test, timeout_s=timeout_s, uid=uid,
-                         gid=65534).passed
+        return sandbox.run_tests(tasks[i].source_with(completions[i]), tests=tasks[i].test, timeout_s=timeout_s,
+                                 uid=uid, gid=65534).passed
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         return list(pool.map(run, range(len(tasks))))
 
 
 async def _judge_all(config, tasks: Sequence[FimTask], completions: Sequence[str]):
-    from rewards.judge import JudgeClient
-
     async with JudgeClient(config) as client:
         return await asyncio.gather(*(client.score(t.prefix, t.suffix, c) for t, c in zip(tasks, completions)))
 
@@ -318,6 +309,4 @@ def user_summary(tasks: Sequence[FimTask], completions: Sequence[str], user_mode
 
 
 def scored_jsonl(scored: Sequence[Scored]) -> str:
-    import json
-
     return "".join(json.dumps(asdict(s)) + "\n" for s in scored)

@@ -18,13 +18,21 @@ the gate's rule from the LM's learning.
 from __future__ import annotations
 
 import functools
+import json
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 from policy.show_gate import Decided, FitConfig, Gate, fit_gate, line_features
+from rewards.spec import RewardSpec
+from trainer.proof.evaluate import load_policy, sample_draws
+from trainer.proof.served import figures, relative_change, served_rows
+from trainer.proof.simulate import UserModel
+from trainer.proof.tasks import resolve_dataset
+from trainer.show_gate_learner import fit_due, judge_candidate
 
 
 @dataclass(frozen=True)
@@ -55,8 +63,6 @@ def replay_learner(lines: Sequence[Line | None], config: FitConfig, *, refit_eve
     """Every candidate the learner would fit on this traffic, in order: ``at`` (lines arrived), ``decided``
     (lines in the window), ``version``, ``threshold``, ``status``, ``reason``, ``metrics`` and ``gate``. A
     PROMOTED candidate serves the lines after it."""
-    from trainer.show_gate_learner import fit_due, judge_candidate
-
     rng = random.Random(f"{seed}:replay")
     log: deque[Decided] = deque(maxlen=window)
     serving: Gate | None = None
@@ -90,8 +96,6 @@ def replay_learner(lines: Sequence[Line | None], config: FitConfig, *, refit_eve
 
 def judge_gate(gate: Gate | None, tasks: Sequence, draws: Sequence, user, spec, *, seed: int = 0) -> dict:
     """A gate's figures on the judging draws: as served (exploration) and its own decision."""
-    from trainer.proof.served import figures, served_rows
-
     return {"served": figures(served_rows(tasks, draws, gate, user, spec, explore=True, seed=seed)),
             "decided": figures(served_rows(tasks, draws, gate, user, spec, explore=False, seed=seed))}
 
@@ -113,8 +117,6 @@ def traffic_order(lines: Sequence[Line | None], order: int, seed: int = 0) -> li
 
 def relative_to(served: dict, always: dict) -> dict:
     """A gate's served figures as relative changes from always-show's on the same draws."""
-    from trainer.proof.served import relative_change
-
     return {k: relative_change(served[k], always[k])
             for k in ("accept_rate_shown", "shown_share", "accepted_chars_per_request")}
 
@@ -146,14 +148,6 @@ def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, dr
     ``settings`` configure it (exploration, refit interval, window, prompt length). With ``orders`` > 1 the
     same traffic is also replayed in other arrival orders (``traffic_order``), each summarised by
     ``order_summary``; every promoted gate of the sampled order is judged in full."""
-    import time
-
-    from rewards.spec import RewardSpec
-    from trainer.proof.evaluate import load_policy, sample_draws
-    from trainer.proof.served import served_rows
-    from trainer.proof.simulate import UserModel
-    from trainer.proof.tasks import resolve_dataset
-
     if orders < 1:
         raise ValueError(f"orders must be at least 1, not {orders}")
     started = time.monotonic()
@@ -231,7 +225,5 @@ def run_gate_replay(settings, model_spec: str, *, traffic: int, judging: int, dr
 
 
 def write_result(result: dict, out_dir: Path) -> None:
-    import json
-
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gate-replay.json").write_text(json.dumps(result, indent=1))

@@ -34,6 +34,7 @@ or PROMOTED when asked).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -43,11 +44,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
+from infra.bus import EventProducer, broker_answers, ensure_topics
+from policy.fim import earliest_stop, prompt_token_ids
+from policy.sampling import GREEDY_TEMPERATURE
+from policy.shown import single_line_mode
+from policy.weight_store import WeightStore, version_event
 from rewards.spec import RewardSpec
-from trainer.losses import grpo_advantages, rloo_advantages
+from schemas.topics import EPISODES
+from trainer.build_models import build_named_model
 from trainer.learner import PolicyTrainer, Sample, sample_completions
-from trainer.proof.simulate import UserModel, decision_rows
-from trainer.proof.tasks import FimTask
+from trainer.losses import grpo_advantages, rloo_advantages
+from trainer.metrics import Scored
+from trainer.online import load_policy, update_config
+from trainer.proof.evaluate import cut_completion, evaluate, score_judge, score_tests, scorer_reward_spec
+from trainer.proof.simulate import CONTINUE_STOPS, UserModel, decision_rows
+from trainer.proof.tasks import FimTask, resolve_dataset
 
 ALGOS = ("grpo", "rloo")
 SCORERS = ("exact", "tests", "judge", "user")
@@ -126,8 +139,6 @@ def shown_token_count(decoded_prefixes: Sequence[str], *, single_line: bool, sto
     stop is part of the action; everything after it is dropped. No stop: all
     tokens count.
     """
-    from policy.fim import earliest_stop
-
     for n, text in enumerate(decoded_prefixes):
         if earliest_stop(text, stops) >= 0 or (single_line and "\n" in text):
             return n + 1
@@ -140,8 +151,6 @@ def shown_token_count(decoded_prefixes: Sequence[str], *, single_line: bool, sto
 def prompt_ids(tokenizer, task: FimTask, max_prompt_tokens: int) -> list[int]:
     """The task's prompt in the model's own format, as token ids trimmed to the budget, as the front door
     renders and trims it (``policy.fim.prompt_token_ids``)."""
-    from policy.fim import prompt_token_ids
-
     budget = min(max_prompt_tokens, getattr(tokenizer, "model_max_length", max_prompt_tokens) or max_prompt_tokens)
     return prompt_token_ids(tokenizer, task.fim_prompt(), budget)[0]
 
@@ -158,10 +167,6 @@ def sample_groups(model, tokenizer, prompts: Sequence[list[int]], tasks: Sequenc
                   max_new_tokens: int, temperature: float, generator, pad_id: int, top_p: float = 1.0,
                   rows_per_batch: int = 32) -> list[list[Sampled]]:
     """K completions per prompt from ``model``, each cut where the editor would cut it."""
-    from trainer.proof.evaluate import cut_completion
-    from policy.shown import single_line_mode
-    from trainer.proof.simulate import CONTINUE_STOPS
-
     rows = [(i, p) for i, p in enumerate(prompts) for _ in range(group_size)]
     drawn: list[tuple[list[int], list[float]]] = []
     for start in range(0, len(rows), rows_per_batch):
@@ -185,24 +190,17 @@ def make_scorer(name: str, *, judge_config=None, user_model: UserModel = UserMod
     ``user``: the reward ``reward_spec`` gives ``user_model``'s decision, the reward the online trainer gets
     from the episode of that decision."""
     if name == "exact":
-        from trainer.metrics import Scored
-        from policy.shown import single_line_mode
-
         def exact(tasks, completions):
             return [1.0 if Scored(t.task_id, c, t.middle, t.solutions, single_line_mode(t.prefix)).exact else 0.0
                     for t, c in zip(tasks, completions)]
         return exact
     if name == "tests":
-        from trainer.proof.evaluate import score_tests
-
         return lambda tasks, completions: [1.0 if ok else 0.0
                                            for ok in score_tests(tasks, completions, workers=test_workers)]
     if name == "judge":
         if judge_config is None:
             raise ValueError("the judge scorer needs a judge: --judge-url, --judge-model and JUDGE_API_KEY "
                              "(or TABLOOP_JUDGE_* / LLMASJUDGE_* settings)")
-        from trainer.proof.evaluate import score_judge
-
         # The judge's 0–10 scale brought to 0–1 like the other scorers; a missing score stays missing.
         return lambda tasks, completions: [None if s is None else s / 10.0
                                            for s, _ in score_judge(judge_config, tasks, completions)]
@@ -238,8 +236,6 @@ class OfflineConfig:
                              f"got {self.group_size}")
         if self.prompts_per_update < 1:
             raise ValueError(f"--prompts-per-update must be at least 1, got {self.prompts_per_update}")
-        from policy.sampling import GREEDY_TEMPERATURE
-
         if self.temperature <= GREEDY_TEMPERATURE:
             raise ValueError(f"--temperature must be above {GREEDY_TEMPERATURE} (greedy completions carry no "
                              f"importance weight to train with), got {self.temperature}")
@@ -313,20 +309,28 @@ class OfflineRun:
     save_every: int | None = None
     """Updates per weight version; None: one version at the end."""
     seed: int = 0
+    """Seeds the datasets' tasks (and a ``limit``'s sample of them), their order (``task_schedule``) and the
+    sampling."""
     limit: int | None = None
+    """Use at most this many tasks of the dataset (None: all)."""
     eval_dataset: str | None = None
+    """Held-out tasks evaluated (greedy, with the run's scorer) before the first update and after the last."""
     eval_limit: int | None = None
     eval_max_new_tokens: int = 48
     publish: bool | None = None
     """True: announce on tabloop.weights (fail when no broker answers); False: never; None: when one answers."""
     promote: bool = False
+    """Announce versions as PROMOTED (else CANDIDATE)."""
     judge_config: object = None
     user_model: UserModel = UserModel()
     """The ``user`` scorer's simulated user."""
     reward_spec: RewardSpec | None = None
     """The ``user`` scorer's rewards (None: the settings' default spec)."""
     lr: float | None = None
+    """None: the online trainer's (``TABLOOP_TRAINER_LR``)."""
     full: bool | None = None
+    """Full fine-tuning, or LoRA; None: ``TABLOOP_TRAINER_FULL_FINETUNE`` (a newest version in the store fixes it:
+    ``load_current_policy``)."""
 
 
 class OfflineError(ValueError):
@@ -341,15 +345,12 @@ def publish_decision(requested: bool | None, broker_up: bool, bootstrap: str) ->
     return broker_up if requested is None else requested
 
 
-def load_current_policy(settings, store, *, lr: float | None = None, full: bool | None = None) -> tuple[PolicyTrainer, object]:
+def load_current_policy(settings, store, *, lr: float | None = None,
+                        full: bool | None = None) -> tuple[PolicyTrainer, object]:
     """The policy to improve: the weight store's newest version (LoRA over the base, or full weights), else the base.
 
     Returns (policy, parent manifest or None). Loads like the online trainer does, with its update config.
     """
-    import dataclasses
-
-    from trainer.online import load_policy, update_config
-
     latest = store.latest()
     if latest is not None and full is not None and full != (latest.kind == "FULL"):
         # The newest version fixes the kind: its weights are a LoRA adapter or a whole model, not both.
@@ -362,8 +363,6 @@ def load_current_policy(settings, store, *, lr: float | None = None, full: bool 
 
 
 def _evaluate(policy: PolicyTrainer, tasks, scorer: str, run: OfflineRun, log) -> dict:
-    from trainer.proof.evaluate import evaluate
-
     model = policy.model
     was_training = model.training
     model.eval()
@@ -390,12 +389,6 @@ def _mean(xs: Sequence[float]) -> float:
 
 def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None = None) -> dict:
     """The whole offline run; returns the summary ``tabloop train --offline`` prints as its last line."""
-    import torch
-
-    from trainer.build_models import build_named_model
-    from trainer.proof.tasks import resolve_dataset
-    from policy.weight_store import WeightStore
-
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if run.scorer not in SCORERS:
         raise OfflineError(f"--scorer must be one of {', '.join(SCORERS)}, got {run.scorer!r}")
@@ -409,10 +402,6 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
                 raise OfflineError(f"--scorer {run.scorer} needs tasks with tests; {len(missing)} of {len(ts)} in "
                                    f"{name} have none (e.g. {missing[0]}): use a dataset such as humaneval")
     if run.reward_spec is None:
-        import dataclasses
-
-        from trainer.proof.evaluate import scorer_reward_spec
-
         run = dataclasses.replace(run, reward_spec=scorer_reward_spec(settings, run.scorer))
     score = make_scorer(run.scorer, judge_config=run.judge_config, user_model=run.user_model,
                         reward_spec=run.reward_spec)
@@ -422,8 +411,6 @@ def run_offline(settings, run: OfflineRun, *, log: Callable[[str], None] | None 
 
     publish = False
     if run.publish is not False:
-        from infra.bus import broker_answers
-
         publish = publish_decision(run.publish, broker_answers(settings), settings.kafka_bootstrap)
 
     base = build_named_model(settings)
@@ -514,8 +501,6 @@ def _json_safe(value):
 def _save_version(store, policy: PolicyTrainer, parent, run: OfflineRun, figures: list[dict], step: int,
                   eval_before: dict | None, eval_after: dict | None, n_tasks: int):
     """Write the policy as the next version; the manifest says how it was trained and what it scored."""
-    from schemas.topics import EPISODES
-
     rewards = [f["reward_mean"] for f in figures]
     metrics = {
         "reward_mean": _mean(rewards), "reward_mean_first_update": rewards[0], "reward_mean_last_update": rewards[-1],
@@ -533,7 +518,8 @@ def _save_version(store, policy: PolicyTrainer, parent, run: OfflineRun, figures
     training = {"mode": "offline", "algo": run.config.algo, "group_size": run.config.group_size,
                 "scorer": run.scorer, "dataset": run.dataset, "tasks": n_tasks,
                 "prompts_per_update": run.config.prompts_per_update, "max_new_tokens": run.config.max_new_tokens,
-                "temperature": run.config.temperature, "top_p": run.config.top_p, "seed": run.seed, "lr": policy.config.lr}
+                "temperature": run.config.temperature, "top_p": run.config.top_p, "seed": run.seed,
+                "lr": policy.config.lr}
     if run.eval_dataset:
         training["eval_dataset"] = run.eval_dataset
     training.update(_user_fields(run))
@@ -553,9 +539,6 @@ def _save_version(store, policy: PolicyTrainer, parent, run: OfflineRun, figures
 
 def _announce(settings, manifest, status: str) -> None:
     """Publish the version's WeightVersion and wait for Kafka's ack."""
-    from infra.bus import EventProducer, ensure_topics
-    from policy.weight_store import version_event
-
     ensure_topics(settings)
     with EventProducer(settings, client_id="tabloop-train-offline") as producer:
         producer.publish_acked(version_event(manifest, status)).result(60)

@@ -13,7 +13,10 @@ import json
 import click
 
 from infra.errors import TabloopError
-from trainer.proof.cli import DATASET_HELP
+from policy.weight_store import WeightStoreError
+from rewards.judge import JudgeConfig
+from trainer.proof.cli import DATASET_HELP, user_from_options
+from trainer.proof.tasks import TaskFormatError
 
 _OPTIONS = [
     click.argument("dataset", required=False),
@@ -86,11 +89,10 @@ def offline_requested(ctx: click.Context, params: dict) -> bool:
 
 def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> None:
     """``tabloop train --offline …``: progress on stderr, the run's summary as the last stdout line (JSON)."""
+    # Lazy: the model code loads torch (seconds); trainer/cli.py imports this module for `train`'s options, and
+    # `tabloop weights list` and `tabloop gates` beside it must not pay for it.
     from policy.models import ModelLoadError
     from trainer.proof.offline import OfflineConfig, OfflineRun, run_offline
-    from trainer.proof.cli import user_from_options
-    from trainer.proof.tasks import TaskFormatError
-    from policy.weight_store import WeightStoreError
 
     settings = ctx.find_root().obj
     if not params["dataset"]:
@@ -99,8 +101,6 @@ def train_offline(ctx: click.Context, *, max_versions: int | None, **params) -> 
         raise click.UsageError("--max-versions is for continuous training; an offline run stops after --updates")
     judge_config = None
     if params["scorer"] == "judge":
-        from rewards.judge import JudgeConfig
-
         url = params["judge_url"] or settings.judge_api_url
         model = params["judge_model"] or settings.judge_model
         if not url or not model:

@@ -31,15 +31,16 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from trainer.proof.intervals import LEVEL, Z  # noqa: F401  (the bench reads LEVEL from here)
+from policy.show_gate import FEATURES, choose_threshold, line_features
+from trainer.ope import wilson_interval
+from trainer.proof.intervals import Z, clustered_interval, paired_interval, task_sums
+from trainer.proof.simulate import decision_rows
 
 
 def gate_decision(gate, line: str, logprobs: Sequence[float], rng: random.Random | None = None
                   ) -> tuple[bool, float | None, float]:
     """(shown, score, show probability) of a line as the door decides it. ``gate`` None: no gate, every
     non-empty line is shown; ``rng`` None: the gate's deterministic decision (score ≥ threshold)."""
-    from policy.show_gate import line_features
-
     if not line.strip():
         return False, None, 1.0
     if gate is None:
@@ -55,8 +56,6 @@ def served_rows(tasks: Sequence, draws: Sequence, gate, user, spec, *, explore: 
     """One row per draw (``Draw``: ``task_index``, ``draw``, ``completion``, ``line``, ``line_logprobs``):
     the gate's decision, then what the editor shows and the user's decision on it
     (``trainer.proof.simulate.decision_rows``; a hidden completion shows nothing: IGNORED)."""
-    from trainer.proof.simulate import decision_rows
-
     decided, completions, picked = [], [], []
     for d in draws:
         rng = random.Random(f"{seed}:explore:{d.task_index}:{d.draw}") if explore else None
@@ -75,8 +74,6 @@ def served_rows(tasks: Sequence, draws: Sequence, gate, user, spec, *, explore: 
 
 def wilson(successes: float, n: float, z: float = Z) -> dict:
     """A rate with its Wilson score interval ({"value", "low", "high"}); all None when n is 0."""
-    from trainer.ope import wilson_interval
-
     if n <= 0:
         return {"value": None, "low": None, "high": None}
     i = wilson_interval(successes / n, n, z)
@@ -116,8 +113,6 @@ row, whether it is a rate)."""
 
 def figures_by_task(rows: Sequence[dict], z: float = Z) -> dict[str, dict]:
     """Every figure of ``RATIOS`` with its interval clustered by task (``clustered_interval``)."""
-    from trainer.proof.intervals import clustered_interval, task_sums
-
     return {name: clustered_interval(list(task_sums(rows, y, x).values()), z, rate=rate)
             for name, (y, x, rate) in RATIOS.items()}
 
@@ -125,8 +120,6 @@ def figures_by_task(rows: Sequence[dict], z: float = Z) -> dict[str, dict]:
 def paired_figures(after: Sequence[dict], before: Sequence[dict], z: float = Z) -> dict[str, dict]:
     """``after`` − ``before`` of every figure of ``RATIOS``, over the tasks both hold, each with its interval
     paired by task (``paired_interval``): two policies on the same held-out tasks."""
-    from trainer.proof.intervals import paired_interval, task_sums
-
     return {name: paired_interval(task_sums(after, y, x), task_sums(before, y, x), z)
             for name, (y, x, _) in RATIOS.items()}
 
@@ -152,7 +145,8 @@ def figures(rows: Sequence[dict], z: float = Z) -> dict:
             "accepted_chars_per_request": None if n == 0 else round(sum(r["accepted_chars"] for r in rows) / n, 4),
             "kept_chars_per_request": None if n == 0 else round(sum(r["kept_chars"] for r in rows) / n, 4),
             "reward_mean": None if n == 0 else round(sum(r["reward"] for r in rows) / n, 4),
-            "intervals": {"accept_rate_shown": [rate["low"], rate["high"]], "shown_share": [share["low"], share["high"]],
+            "intervals": {"accept_rate_shown": [rate["low"], rate["high"]],
+                          "shown_share": [share["low"], share["high"]],
                           "accepted_chars_per_request": [chars["low"], chars["high"]],
                           "kept_chars_per_request": [kept["low"], kept["high"]],
                           "reward_mean": [reward["low"], reward["high"]]},
@@ -182,8 +176,6 @@ class ConfidenceThreshold:
 
     @staticmethod
     def score(features: Sequence[float]) -> float:
-        from policy.show_gate import FEATURES
-
         return math.exp(features[FEATURES.index("mean_logprob")])
 
 
@@ -192,8 +184,6 @@ def choose_confidence_threshold(rows: Sequence[dict], draws: Sequence, keep: flo
     gate, on train tasks) by the show-gate's own rule (``policy.show_gate.choose_threshold``): the highest
     that keeps at least ``keep`` of the characters users accepted of what was shown. 0.0 (show every line)
     when nothing was accepted. Only shown lines count: an empty one is never shown, whatever its score."""
-    from policy.show_gate import choose_threshold, line_features
-
     picked = [(ConfidenceThreshold.score(line_features(d.line, d.line_logprobs)), r["accepted_chars"])
               for r, d in zip(rows, draws) if r["shown"] is not None]
     if not picked:

@@ -42,6 +42,8 @@ import httpx
 
 from policy.fim import QWEN_STOP_WORDS
 from policy.shown import first_line, shown_text, single_line_mode
+from rewards import sandbox
+from rewards.spec import acceptance_reward
 from trainer.metrics import edit_similarity
 from trainer.proof.tasks import FimTask
 
@@ -147,8 +149,6 @@ def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: Us
     taken) and the kept ones (``kept_chars_of``: of those, the ones that are right). The same rows score the
     held-out tasks of ``tabloop bench loop``, ``tabloop eval --scorer user`` and the offline trainer's user scorer; the
     ``tests`` rule runs the file in the sandbox, as the simulated users do."""
-    from rewards.spec import acceptance_reward
-
     if len(tasks) != len(completions):
         raise ValueError(f"{len(tasks)} tasks but {len(completions)} completions")
     rows = []
@@ -165,9 +165,7 @@ def decision_rows(tasks: Sequence[FimTask], completions: Sequence[str], user: Us
 
 def sandbox_passes(source: str, tests: str | None = None) -> bool:
     """The file passes the tests, run in the sandbox with the verdict decided by the judge outside it."""
-    from rewards.sandbox import run_tests
-
-    return run_tests(source, tests=tests, timeout_s=10.0).passed
+    return sandbox.run_tests(source, tests=tests, timeout_s=10.0).passed
 
 
 # -- what Continue sends (pure) ----------------------------------------------------------

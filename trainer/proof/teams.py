@@ -30,8 +30,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
+from policy.models import load_model
 from policy.shown import first_line
-from trainer.proof.tasks import FimTask
+from rewards.spec import RewardSpec
+from trainer.learner import PolicyTrainer, UpdateConfig
+from trainer.metrics import user_figures
+from trainer.proof.evaluate import evaluate
+from trainer.proof.offline import OfflineConfig, offline_update, task_schedule
+from trainer.proof.simulate import UserModel, decision_rows
+from trainer.proof.tasks import FimTask, code_lines, source_files, split_of
+from trainer.training_config import LoraTraining
 
 TEAMS = {"single": "'", "double": '"'}
 """Team name -> the quote its code writes string literals with."""
@@ -67,8 +77,6 @@ def quote_tasks(split: str, *, seed: int = 0, limit: int | None = None, prefix_l
     opening parenthesis that usually takes one (``raise X(``, ``.split(``, ``print(`` …): the cursor goes
     right before the literal, the middle is the rest of the line. There, what the model writes is mostly a
     string, and its quotes are the choice that tells the teams apart."""
-    from trainer.proof.tasks import code_lines, source_files, split_of
-
     tasks = []
     for rel, path in source_files():
         if split_of(rel) != split:
@@ -114,31 +122,38 @@ class TeamUsers:
     threshold: float = 0.3
 
     def accepts(self, task: FimTask, shown: str, *, run_tests: Callable[[str, str], bool] | None = None) -> bool:
-        from trainer.proof.simulate import UserModel
-
         return (first_literal_quote(first_line(shown)) == TEAMS[team_of(task)]
                 and UserModel("similarity", self.threshold).accepts(task, shown))
 
 
 @dataclass(frozen=True)
-class TeamsConfig:
+class TeamsConfig(OfflineConfig, LoraTraining):
+    """Each policy's training: offline RLOO updates (``OfflineConfig``) of LoRA adapters (``LoraTraining``)
+    from the base model; and the teams' users and held-out tasks."""
+
+    what = "bench teams"
+
+    algo: str = "rloo"
     updates: int = 16
-    prompts_per_update: int = 4
+    """RLOO updates of each policy (the shared one and each team's)."""
     group_size: int = 6
     max_new_tokens: int = 16
-    temperature: float = 1.0
+    """Of the training samples and of the held-out completions."""
     lr: float = 5e-4
-    lora_rank: int = 8
     threshold: float = 0.3
+    """A team's user takes a suggestion this close to its line (edit similarity), and in its quotes."""
     train_limit: int | None = None
+    """At most this many train tasks (None: all)."""
     heldout: int = 64
+    """Held-out tasks each policy completes greedily."""
     max_prompt_tokens: int = 256
-    seed: int = 0
     ignored_reward: float = 0.0
     """The reward of showing nothing (the reward spec's ``ignored``; rejected is -0.25, accepted 0.75). At 0,
     silence is the safe answer to a user whose taste the policy does not know; at -0.25 it is a miss."""
 
     def __post_init__(self) -> None:
+        OfflineConfig.__post_init__(self)
+        LoraTraining.__post_init__(self)
         if self.updates < 1 or self.heldout < 1 or self.prompts_per_update < 2:
             raise ValueError("updates and heldout must be at least 1, prompts_per_update at least 2 "
                              "(the shared policy's updates hold both teams' prompts)")
@@ -147,8 +162,6 @@ class TeamsConfig:
 def schedule(train: Sequence[FimTask], config: TeamsConfig, teams: Sequence[str]) -> list[list[FimTask]]:
     """A policy's updates: the same task order for every policy, each task as one of ``teams`` asks it (the
     shared policy: both, alternating, so each update holds both teams; a team's own policy: that team)."""
-    from trainer.proof.offline import task_schedule
-
     return [[team_task(train[i], teams[(u + k) % len(teams)]) for k, i in enumerate(picked)]
             for u, picked in enumerate(task_schedule(len(train), config.prompts_per_update, config.updates,
                                                      config.seed))]
@@ -156,16 +169,6 @@ def schedule(train: Sequence[FimTask], config: TeamsConfig, teams: Sequence[str]
 
 def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
                     log: Callable[[str], None] | None = None) -> dict:
-    import torch
-
-    from rewards.spec import RewardSpec
-    from trainer.metrics import user_figures
-    from policy.models import load_model
-    from trainer.learner import PolicyTrainer, UpdateConfig
-    from trainer.proof.evaluate import evaluate
-    from trainer.proof.offline import OfflineConfig, offline_update
-    from trainer.proof.simulate import decision_rows
-
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -173,9 +176,6 @@ def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
     heldout = quote_tasks("heldout", seed=config.seed, limit=config.heldout)
     users, spec = TeamUsers(config.threshold), RewardSpec(ignored=config.ignored_reward)
     say(f"bench teams: {len(train)} train tasks, {len(heldout)} held-out tasks, model {model_spec}")
-    offline = OfflineConfig(algo="rloo", group_size=config.group_size, prompts_per_update=config.prompts_per_update,
-                            max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                            max_prompt_tokens=config.max_prompt_tokens)
 
     def score(tasks, completions):
         return [row["reward"] for row in decision_rows(tasks, completions, users, spec)]
@@ -215,7 +215,7 @@ def run_teams_bench(model_spec: str, config: TeamsConfig, out_dir: Path, *,
         generator = torch.Generator().manual_seed(config.seed)
         curve = []
         for u, tasks in enumerate(updates):
-            step = offline_update(policy, tasks, offline, score, generator)
+            step = offline_update(policy, tasks, config, score, generator)
             curve.append({k: step.get(k) for k in ("reward_mean", "groups_with_signal", "samples_trained",
                                                    "approx_kl", "update_seconds", "sample_seconds")})
             say(f"bench teams: {label} update {u + 1}/{len(updates)}: reward {step['reward_mean']:.3f}, "
