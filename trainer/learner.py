@@ -35,10 +35,10 @@ from typing import Sequence
 
 import torch
 
-from policy.models import CachedDecoder
+from policy.models import CachedDecoder, lora_target_modules
 from policy.sampling import GREEDY_TEMPERATURE, sampling_log_probs
-from trainer.losses import (DUAL_CLIP_RATIO, entropy_from_logits, kl_k3, masked_mean, policy_token_logprobs,
-                            ppo_clipped_loss, token_logprobs)
+from trainer.losses import (DUAL_CLIP_RATIO, LossTerms, entropy_from_logits, kl_k3, loss_terms, masked_mean,
+                            policy_token_logprobs, ppo_clipped_loss, token_logprobs)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -96,7 +96,8 @@ class UpdateConfig:
     """Linear warm-up of the learning rate; constant afterwards (an online trainer has no last step)."""
     clip_eps: float = 0.2
     clip_ratio_c: float = DUAL_CLIP_RATIO
-    """Dual clip: a token with A < 0 adds at most −c·A to the loss however stale its episode (``ppo_clipped_loss``)."""
+    """Dual clip: a token with A < 0 adds at most −c·A to the loss however stale its episode
+    (``ppo_clipped_loss``)."""
     kl_coef: float = 0.0
     """Weight of KL(current ‖ reference) in the loss; 0 = off (no reference forward pass)."""
     entropy_coef: float = 0.0
@@ -140,9 +141,7 @@ class PolicyTrainer:
                 reference = reference_model if reference_model is not None else copy.deepcopy(model)
                 self.reference = reference.to(self.device).eval().requires_grad_(False)
         else:
-            from peft import LoraConfig, PeftModel, get_peft_model
-
-            from policy.models import lora_target_modules
+            from peft import LoraConfig, PeftModel, get_peft_model  # third-party, needed for LoRA only
 
             if adapter_dir is not None:
                 self.model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
@@ -183,7 +182,11 @@ class PolicyTrainer:
         return completion_logits(model, batch, pad_id=self.pad_id, device=self.device)
 
     def update(self, samples: Sequence[Sample]) -> dict[str, float]:
-        """One policy update on ``samples``; returns its metrics (loss, KL, clip fraction, entropy, grad norm…)."""
+        """One policy update on ``samples``; returns its metrics (loss, KL, clip fraction, entropy, grad norm…).
+
+        Per epoch: each micro-batch's loss terms (``_loss_terms``), its gradient weighted by its share of the
+        completion tokens, then one clipped optimizer step (``_step``). The metrics are the last epoch's terms.
+        """
         if not samples:
             raise ValueError("an update needs at least one sample")
         cfg = self.config
@@ -198,43 +201,12 @@ class PolicyTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             for index, chunk in enumerate(micro):
                 share = sum(len(s.completion_ids) for s in chunk) / total_tokens
-                with self._autocast():
-                    logits, targets, mask = self._forward(self.model, chunk)
-                # The ratio's log-probabilities: each row under the sampler that drew it (see the module doc).
-                logprobs = policy_token_logprobs(logits, targets, [s.temperature for s in chunk],
-                                                 [s.top_p for s in chunk])
-                if index not in frozen_behaviour:
-                    frozen_behaviour[index] = self._behaviour_tensor(chunk, logprobs.detach(), mask)
-                advantages = torch.tensor([s.advantage for s in chunk], device=logprobs.device)
-                pl = ppo_clipped_loss(logprobs, frozen_behaviour[index], advantages, mask, clip_eps=cfg.clip_eps,
-                                      clip_ratio_c=cfg.clip_ratio_c)
-                loss = pl.loss
-                need_entropy = cfg.entropy_coef > 0
-                with contextlib.nullcontext() if need_entropy else torch.no_grad():
-                    entropy = masked_mean(entropy_from_logits(logits), mask)
-                if need_entropy:
-                    loss = loss - cfg.entropy_coef * entropy
-                kl_ref = torch.zeros(())
-                if cfg.kl_coef > 0:
-                    with torch.no_grad(), self._reference_context() as ref, self._autocast():
-                        ref_logits, _, _ = self._forward(ref, chunk)
-                        ref_logprobs = token_logprobs(ref_logits, targets)
-                    kl_ref = masked_mean(kl_k3(ref_logprobs, token_logprobs(logits, targets)), mask)
-                    loss = loss + cfg.kl_coef * kl_ref
-                (loss * share).backward()
+                terms = self._loss_terms(chunk, frozen_behaviour, index)
+                (terms.total * share).backward()
                 if epoch == cfg.epochs - 1:
-                    sums["policy_loss"] += pl.loss.item() * share
-                    sums["approx_kl"] += pl.approx_kl * share
-                    sums["clip_fraction"] += pl.clip_fraction * share
-                    sums["entropy"] += entropy.item() * share
-                    sums["kl_ref"] += kl_ref.item() * share
-                    sums["ratio_mean"] += pl.ratio_mean * share
-                    sums["dual_clip_fraction"] += pl.dual_clip_fraction * share
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-            self.scheduler.step()
+                    for name, value in terms.figures().items():
+                        sums[name] += value * share
+            grad_norm = self._step()
         self.updates += 1
         seconds = time.perf_counter() - started
         return {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
@@ -242,6 +214,40 @@ class PolicyTrainer:
                 "tokens_per_s": total_tokens * cfg.epochs / seconds if seconds > 0 else 0.0,
                 "samples": float(len(samples)),
                 "advantage_mean": sum(s.advantage for s in samples) / len(samples)}
+
+    def _loss_terms(self, chunk: Sequence[Sample], frozen_behaviour: dict[int, torch.Tensor], index: int
+                    ) -> LossTerms:
+        """Micro-batch ``index``'s loss terms (trainer/losses.py): PPO's clipped surrogate, the entropy and the
+        KL to the reference. The behaviour logprobs are frozen at the first epoch's pass (``frozen_behaviour``):
+        recorded ones where the sample has them, else the current policy's then (on-policy, ratio 1)."""
+        cfg = self.config
+        with self._autocast():
+            logits, targets, mask = self._forward(self.model, chunk)
+        # The ratio's log-probabilities: each row under the sampler that drew it (see the module doc).
+        logprobs = policy_token_logprobs(logits, targets, [s.temperature for s in chunk], [s.top_p for s in chunk])
+        if index not in frozen_behaviour:
+            frozen_behaviour[index] = self._behaviour_tensor(chunk, logprobs.detach(), mask)
+        advantages = torch.tensor([s.advantage for s in chunk], device=logprobs.device)
+        surrogate = ppo_clipped_loss(logprobs, frozen_behaviour[index], advantages, mask, clip_eps=cfg.clip_eps,
+                                     clip_ratio_c=cfg.clip_ratio_c)
+        with contextlib.nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
+            entropy = masked_mean(entropy_from_logits(logits), mask)
+        kl_ref = torch.zeros(())
+        if cfg.kl_coef > 0:
+            with torch.no_grad(), self._reference_context() as ref, self._autocast():
+                ref_logits, _, _ = self._forward(ref, chunk)
+                ref_logprobs = token_logprobs(ref_logits, targets)
+            kl_ref = masked_mean(kl_k3(ref_logprobs, token_logprobs(logits, targets)), mask)
+        return loss_terms(surrogate, entropy, kl_ref, entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef)
+
+    def _step(self) -> float:
+        """Clip the gradient's norm and take one optimizer step (none when the norm is not finite); the norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.scheduler.step()
+        return grad_norm
 
     def _behaviour_tensor(self, chunk: Sequence[Sample], current: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Recorded behaviour logprobs laid out like the targets; the current policy's where none were recorded."""

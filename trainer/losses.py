@@ -170,7 +170,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def completion_mask(prompt_lengths: Sequence[int], completion_lengths: Sequence[int], total_length: int) -> torch.Tensor:
+def completion_mask(prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
+                    total_length: int) -> torch.Tensor:
     """(B, total_length) mask of completion tokens in rows laid out as [prompt | completion | padding].
 
     The loss is taken on completion tokens only: the prompt is the user's code,
@@ -259,3 +260,39 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the next-token distribution at each position: (B, T, V) → (B, T), in nats."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+# -- the loss, term by term -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """One micro-batch's loss, each term named: ``total`` = ``policy.loss`` − entropy_coef · ``entropy`` +
+    kl_coef · ``kl_ref`` (a term enters only with its coefficient above 0)."""
+
+    policy: PolicyLoss
+    """PPO's clipped surrogate against the behaviour policy (``ppo_clipped_loss``), with its diagnostics."""
+    entropy: torch.Tensor
+    """Mean entropy of the model's next-token distribution on completion tokens (``entropy_from_logits``)."""
+    kl_ref: torch.Tensor
+    """Mean KL to the reference policy (``kl_k3``); 0 when there is no KL term."""
+    total: torch.Tensor
+    """What the update minimises."""
+
+    def figures(self) -> dict[str, float]:
+        """The terms as an update reports them, under its metrics' names."""
+        return {"policy_loss": self.policy.loss.item(), "approx_kl": self.policy.approx_kl,
+                "clip_fraction": self.policy.clip_fraction, "entropy": self.entropy.item(),
+                "kl_ref": self.kl_ref.item(), "ratio_mean": self.policy.ratio_mean,
+                "dual_clip_fraction": self.policy.dual_clip_fraction}
+
+
+def loss_terms(policy: PolicyLoss, entropy: torch.Tensor, kl_ref: torch.Tensor, *, entropy_coef: float,
+               kl_coef: float) -> LossTerms:
+    """The total loss from its terms: the surrogate, minus the entropy bonus, plus the KL penalty."""
+    total = policy.loss
+    if entropy_coef > 0:
+        total = total - entropy_coef * entropy
+    if kl_coef > 0:
+        total = total + kl_coef * kl_ref
+    return LossTerms(policy, entropy, kl_ref, total)

@@ -149,6 +149,7 @@ def evaluate_logged(model, tokenizer, logged: LoggedEpisodes, *, clip: float = 1
     # The log's own figures beside the estimates (the behaviour policies' own, the same formulas as bench loop).
     rows = [{"shown": "" if shown else None, "accepted": accepted, "accepted_chars": 0, "reward": reward}
             for shown, accepted, reward in zip(logged.shown, logged.accepted, logged.rewards)]
-    logged_own = {k: v for k, v in user_figures(rows).items() if k in ("accept_rate_shown", "shown_share", "reward_mean")}
+    logged_own = {k: v for k, v in user_figures(rows).items()
+                  if k in ("accept_rate_shown", "shown_share", "reward_mean")}
     return {**result.as_dict(), "clip": clip, "level": level, "logged": logged_own,
             "skipped": dict(logged.skipped)}

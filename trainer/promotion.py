@@ -21,14 +21,25 @@ measurement, not two estimates.
 
 The figures travel in the WeightVersion's ``metrics`` under ``ope_*`` names (``estimate_metrics``) and the
 history's ``version_estimates`` view lists them beside what a canary later measured.
+
+The online trainer runs the gate through ``PromotionGate``: the held-out pool and the verdict on each version.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from infra.settings import Settings
+from policy.weight_store import Manifest
+from rewards.spec import RewardSpecs
+from trainer.learner import PolicyTrainer
+from trainer.ope_episodes import evaluate_logged, select_episodes
+
+log = logging.getLogger("tabloop.trainer")
 
 OPE_PREFIX = "ope_"
 
@@ -111,3 +122,69 @@ def estimate_metrics(result: dict | None, *, serving_version: int, held_out: int
         if value is not None:
             out[f"{OPE_PREFIX}serving_{name}"] = float(value)
     return out
+
+
+class PromotionGate:
+    """The gate as the online trainer runs it: which episodes it holds out of training, the pool of them
+    (newest last; not kept across restarts: after one, the gate waits for new held-out episodes before it
+    lets a version out), and its verdict on a version about to reach users."""
+
+    def __init__(self, settings: Settings, *, reward_specs: Callable[[], RewardSpecs]):
+        self.settings = settings
+        self.reward_specs = reward_specs
+        """The reward specs, read at each verdict (what an IGNORED episode earns, per project)."""
+        self.episodes = HeldOutPool(settings.promote_gate_episodes)
+
+    @property
+    def on(self) -> bool:
+        return self.settings.promote_gate != "none"
+
+    def holds_out(self, ep: dict) -> bool:
+        """Whether the gate holds this episode out of training. A completion the show-gate hid is never held
+        out: the user saw nothing, so it says nothing of a weight version (``drop_reason`` drops it as
+        "gate_hidden")."""
+        return self.on and ep.get("gate_shown") is not False and in_gate_holdout(ep["completion_id"],
+                                                                                   self.settings.promote_gate_share)
+
+    def let_out(self, manifest: Manifest, status: str, extra: dict[str, float], policy: PolicyTrainer | None, *,
+                serving: int) -> tuple[str, dict[str, float]]:
+        """The (status, metrics) a version about to reach users goes out with: as it would (the gate's figures
+        added) if the gate passes it or only shadows, else a CANDIDATE that waits with the figures alone.
+        ``policy``: the one holding the version's weights (None: announced after a restart)."""
+        gate = self.settings.promote_gate
+        decision, figures = self.judge(manifest, policy, serving=serving)
+        if gate == "shadow":
+            verdict = "would go out" if decision.passed else "would wait (shadow: goes out anyway)"
+        else:
+            verdict = "goes out" if decision.passed else "waits as CANDIDATE"
+        log.info("promotion gate: version %d%s %s: %s", manifest.version,
+                 f" (project {manifest.project_id})" if manifest.project_id else "", verdict, decision.reason)
+        if decision.passed or gate == "shadow":
+            return status, {**extra, **figures}
+        return "CANDIDATE", figures  # no canary share: nobody is served a refused version
+
+    def judge(self, manifest: Manifest, policy: PolicyTrainer | None, *, serving: int
+              ) -> tuple[GateDecision, dict[str, float]]:
+        """Estimate the version on the held-out episodes its project's serving version (``serving``) served (a
+        project's version: that project's episodes only)."""
+        version, project = manifest.version, manifest.project_id
+        if policy is None:  # announced after a restart: those weights are not the ones loaded
+            decision = GateDecision(False, f"version {version} was saved before a restart and not re-evaluated")
+            return decision, estimate_metrics(None, serving_version=serving, held_out=0, decision=decision)
+        s = self.settings
+        logged = select_episodes((ep for ep in self.episodes if ep["policy_version"] == serving
+                                  and (not project or ep["project_id"] == project)),
+                                 policy.tokenizer, max_prompt_tokens=s.max_prompt_tokens)
+        held_out = len(logged.samples)
+        result = None
+        if held_out >= s.promote_gate_min_episodes:
+            specs = self.reward_specs()
+            result = evaluate_logged(policy.model, policy.tokenizer, logged, clip=s.promote_gate_clip,
+                                     level=s.promote_gate_level,
+                                     ignored_reward=(specs.for_project(project) if project else specs.default).ignored,
+                                     device=policy.device)
+        interval = gate_reward(result) if result else None
+        decision = gate_decision(interval["low"] if interval else None,
+                                 result["logged"].get("reward_mean") if result else None, held_out,
+                                 min_episodes=s.promote_gate_min_episodes)
+        return decision, estimate_metrics(result, serving_version=serving, held_out=held_out, decision=decision)

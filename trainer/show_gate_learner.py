@@ -43,11 +43,15 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from infra.bus import decode_message, make_codec, watermark_offsets
 from policy.show_gate import (Decided, Fit, FitConfig, Gate, first_line_features, fit_gate, kept_gains,
                                latest_statuses, serving_gate_record)
-from schemas.events import Event, new_event
+from policy.weight_store import promoted_version
 from rewards.spec import RewardSpec, RewardSpecs
+from schemas.events import Event, new_event
+from schemas.topics import EPISODES, GATES, WEIGHTS
 from trainer.ope import effective_sample_size, ratio_estimate
 
 log = logging.getLogger("tabloop.trainer.show_gate")
@@ -412,8 +416,6 @@ class GateLearner:
 
     def policy_version(self, project: str) -> int:
         """The weight version serving the project: its own promoted version, else the shared one."""
-        from policy.weight_store import promoted_version
-
         own = promoted_version(self.weight_records, self.base_model, project) if project else 0
         return own or promoted_version(self.weight_records, self.base_model)
 
@@ -479,9 +481,6 @@ class GateLearnerThread:
     POLL_S = 0.2
 
     def __init__(self, settings, base_model: str, producer, *, topic: str | None = None):
-        from infra.bus import make_codec
-        from schemas.topics import EPISODES, GATES, WEIGHTS
-
         self.settings = settings
         self.learner = GateLearner(settings, base_model)
         self.producer = producer
@@ -510,10 +509,6 @@ class GateLearnerThread:
 
     def _assignment(self, consumer):
         """Every partition of the three topics from its start, and the end each had (the history to read)."""
-        from confluent_kafka import TopicPartition
-
-        from infra.bus import watermark_offsets
-
         starts, ends = [], {}
         while not self.stop_event.is_set():
             try:
@@ -534,10 +529,6 @@ class GateLearnerThread:
         return [], {}
 
     def run(self) -> None:
-        from confluent_kafka import Consumer, KafkaException
-
-        from infra.bus import decode_message
-
         consumer = Consumer({"bootstrap.servers": self.settings.kafka_bootstrap, "group.id": "tabloop-gate-learner",
                              "enable.auto.commit": False, "log_level": 3})
         episodes, weights, gates = self.topics
