@@ -8,7 +8,8 @@ read once more by the policy as prompt + candidate + the suffix's first tokens (
 ``resolve_dataset("stdlib:train", seed)``, no context files), a seeded sample, cut by source file into a
 *fit* half and a *validation* half (``split_by_file``): every learned chooser is fit on the fit half (its
 hidden-state projection and any show threshold too) and every figure reported is the validation half's.
-Nothing reads ``stdlib:heldout``.
+Nothing reads ``stdlib:heldout`` but ``--heldout`` (``run_heldout_choosers``): every held-out task read once by
+the choosers that fit nothing, so nothing is chosen on them.
 
 The choosers (``CHOOSERS``): greedy always shown (a plain server), the first sample always shown (sampling
 at the exploration temperature), the oracle best of the candidates (the ceiling), a majority vote, the
@@ -217,18 +218,10 @@ def chosen_rows(requests: Sequence[dict], picks: Sequence[int | None], tasks: Se
     return out
 
 
-def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples: int = 4, temperature: float = 0.7,
-                         max_tokens: int = 32, rule: str = "exact", threshold: float = 0.8, pca: int = 8,
-                         l2: float = 1.0, folds: int = 5, batch_size: int = 16, seed: int = 0,
-                         cache: Path | None = None, say: Callable[[str], None] = print) -> dict:
-    """Sample, read, fit on the fit half, report on the validation half (module docstring). ``cache``: a file
-    the sampled candidates and their reads are kept in, and read back from when it is there (choosers can be
-    re-run without resampling; delete it to resample)."""
-    started = time.monotonic()
-    every = list(resolve_dataset("stdlib:train", seed=seed))
-    picked = random.Random(f"{seed}:candidates").sample(every, min(tasks, len(every)))
-    halves = split_by_file(picked, seed)
-    user, spec = UserModel(rule, threshold), RewardSpec()
+def sampled_requests(settings, model_spec: str, picked: Sequence, user, spec, *, samples: int, temperature: float,
+                     max_tokens: int, seed: int, batch_size: int, cache: Path | None, say) -> tuple[list[dict], dict]:
+    """Sample every task's candidates and read them (the slow part, kept in ``cache`` when given and read back
+    from it when it was made with the same settings), then each task's request (``build_requests``)."""
     key = {"model": model_spec, "tasks": [t.task_id for t in picked], "samples": samples, "temperature": temperature,
            "max_tokens": max_tokens, "seed": seed, "max_prompt_tokens": settings.max_prompt_tokens}
     cached = None
@@ -243,8 +236,6 @@ def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_bytes(pickle.dumps(state))
 
-    say(f"bench candidates: {len(picked)} train tasks ({halves.count('fit')} fit, {halves.count('validation')} "
-        f"validation), greedy + {samples} at T {temperature}, {max_tokens} new tokens")
     model = tokenizer = None
     if cached is None or "reads" not in cached:
         model, tokenizer, _ = load_policy(settings, None, model_spec=model_spec)
@@ -263,7 +254,73 @@ def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples
                                 distinct_read=sum(len(set(t or "" for t in s)) for s in shown))
         keep(cached)
     completions, reads, timing = cached["completions"], cached["reads"], cached["timing"]
-    requests = build_requests(picked, completions, reads, user, spec)
+    return build_requests(picked, completions, reads, user, spec), timing
+
+
+def parameter_free_choosers(samples: int, temperature: float) -> dict[str, Callable[[dict], int | None]]:
+    """The choosers that fit nothing: a plain server (greedy), sampling, the ceiling, and the three that read
+    only the request (agreement, the suffix's likelihood, the posterior)."""
+    return {
+        "greedy, always shown": lambda req: 0 if req["texts"][0] is not None else None,
+        f"first sample at T {temperature}, always shown": lambda req: (1 if len(req["texts"]) > 1
+                                                                        and req["texts"][1] is not None else None),
+        f"oracle best of {samples + 1}": oracle,
+        "majority vote": majority,
+        "(a) suffix likelihood after candidate": by_column("suffix_mean_logprob"),
+        "posterior: log p(candidate) + log p(suffix after it)": by_column("posterior_gap"),
+    }
+
+
+def measure_choosers(choosers: dict, requests: Sequence[dict], tasks: Sequence, user, spec) -> dict:
+    """Each chooser's figures on ``requests`` (clustered by task), its difference from greedy's (paired by
+    task), how often it showed another text than greedy's and how often nothing."""
+    rows = {name: chosen_rows(requests, [c(r) for r in requests], tasks, user, spec) for name, c in choosers.items()}
+    base = rows["greedy, always shown"]
+    return {name: {**figures(r), "vs_greedy": paired_figures(r, base),
+                   "chose_other_than_greedy": sum(1 for x, q in zip(r, requests) if x["candidate"] is not None
+                                                  and q["texts"][x["candidate"]] != q["texts"][0]),
+                   "hidden": sum(1 for x in r if x["candidate"] is None)}
+            for name, r in rows.items()}
+
+
+def run_heldout_choosers(settings, model_spec: str, *, samples: int = 4, temperature: float = 0.7,
+                         max_tokens: int = 32, rule: str = "exact", threshold: float = 0.8, batch_size: int = 16,
+                         seed: int = 0, cache: Path | None = None, say: Callable[[str], None] = print) -> dict:
+    """Every ``stdlib:heldout`` task, read once, by the choosers that fit nothing (``parameter_free_choosers``):
+    nothing is fit or chosen on held-out tasks, so what they measure there is what a user would get. The
+    learned heads are left out (they fit on train tasks; this run samples none)."""
+    started = time.monotonic()
+    picked = list(resolve_dataset("stdlib:heldout", seed=seed))
+    user, spec = UserModel(rule, threshold), RewardSpec()
+    say(f"bench candidates: all {len(picked)} held-out tasks, read once; greedy + {samples} at T {temperature}, "
+        f"{max_tokens} new tokens; the parameter-free choosers only")
+    requests, timing = sampled_requests(settings, model_spec, picked, user, spec, samples=samples,
+                                        temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                        batch_size=batch_size, cache=cache, say=say)
+    return {"bench": "candidates", "model": model_spec, "split": "stdlib:heldout", "seed": seed,
+            "tasks": len(picked), "samples": samples, "temperature": temperature, "max_tokens": max_tokens,
+            "max_prompt_tokens": settings.max_prompt_tokens, "user": {"rule": rule, "threshold": threshold},
+            "heldout": measure_choosers(parameter_free_choosers(samples, temperature), requests, picked, user, spec),
+            "timing": timing, "wall_s": round(time.monotonic() - started, 1)}
+
+
+def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples: int = 4, temperature: float = 0.7,
+                         max_tokens: int = 32, rule: str = "exact", threshold: float = 0.8, pca: int = 8,
+                         l2: float = 1.0, folds: int = 5, batch_size: int = 16, seed: int = 0,
+                         cache: Path | None = None, say: Callable[[str], None] = print) -> dict:
+    """Sample, read, fit on the fit half, report on the validation half (module docstring). ``cache``: a file
+    the sampled candidates and their reads are kept in, and read back from when it is there (choosers can be
+    re-run without resampling; delete it to resample)."""
+    started = time.monotonic()
+    every = list(resolve_dataset("stdlib:train", seed=seed))
+    picked = random.Random(f"{seed}:candidates").sample(every, min(tasks, len(every)))
+    halves = split_by_file(picked, seed)
+    user, spec = UserModel(rule, threshold), RewardSpec()
+    say(f"bench candidates: {len(picked)} train tasks ({halves.count('fit')} fit, {halves.count('validation')} "
+        f"validation), greedy + {samples} at T {temperature}, {max_tokens} new tokens")
+    requests, timing = sampled_requests(settings, model_spec, picked, user, spec, samples=samples,
+                                        temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                        batch_size=batch_size, cache=cache, say=say)
     fit = [r for r, h in zip(requests, halves) if h == "fit"]
     val = [r for r, h in zip(requests, halves) if h == "validation"]
     fit_folds = file_folds([picked[r["task_index"]] for r in fit], folds, seed)
@@ -283,15 +340,7 @@ def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples
     thresholds = {label: cross_fitted_threshold(fit, fit_folds, settings.gate_keep_chars, pca=pca, l2=l2, **kw)
                   for label, (_, kw) in gated.items()}
 
-    choosers: dict[str, Callable[[dict], int | None]] = {
-        "greedy, always shown": lambda req: 0 if req["texts"][0] is not None else None,
-        f"first sample at T {temperature}, always shown": lambda req: (1 if len(req["texts"]) > 1
-                                                                        and req["texts"][1] is not None else None),
-        f"oracle best of {samples + 1}": oracle,
-        "majority vote": majority,
-        "(a) suffix likelihood after candidate": by_column("suffix_mean_logprob"),
-        "posterior: log p(candidate) + log p(suffix after it)": by_column("posterior_gap"),
-    }
+    choosers = parameter_free_choosers(samples, temperature)
     for name, kw in heads.items():
         choosers[name] = (lambda m, h: lambda req: choose(head_values(m, req, h), req["texts"]))(
             fitted[name], kw.get("hidden"))
@@ -301,13 +350,7 @@ def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples
             fitted[name], kw.get("hidden"), thresholds[label])
 
     def measure(reqs):
-        rows = {name: chosen_rows(reqs, [c(r) for r in reqs], picked, user, spec) for name, c in choosers.items()}
-        base = rows["greedy, always shown"]
-        return {name: {**figures(r), "vs_greedy": paired_figures(r, base),
-                       "chose_other_than_greedy": sum(1 for x, q in zip(r, reqs) if x["candidate"] is not None
-                                                      and q["texts"][x["candidate"]] != q["texts"][0]),
-                       "hidden": sum(1 for x in r if x["candidate"] is None)}
-                for name, r in rows.items()}
+        return measure_choosers(choosers, reqs, picked, user, spec)
 
     validation = measure(val)
     result = {
@@ -330,8 +373,10 @@ def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples
 
 
 def results_table(result: dict) -> str:
-    """The validation figures as markdown: each chooser's figures with their interval clustered by task, and
-    accepted and kept characters per request minus greedy's, paired by task."""
+    """The validation half's figures (or, for a held-out run, the held-out tasks') as markdown: each chooser's
+    figures with their interval clustered by task, and accepted and kept characters per request minus greedy's,
+    paired by task."""
+    measured = "heldout" if "heldout" in result else "validation"
     def cell(entry, key):
         value, (low, high) = entry.get(key), (entry.get("intervals_by_task") or {}).get(key) or (None, None)
         if value is None:
@@ -346,10 +391,10 @@ def results_table(result: dict) -> str:
             return f"{d['value']:+.3f}"
         return f"{d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
 
-    head = ["chooser (validation half)", "n", "accept rate among shown", "share shown", "accepted chars/req",
+    head = [f"chooser ({'all held-out tasks' if measured == 'heldout' else 'validation half'})", "n", "accept rate among shown", "share shown", "accepted chars/req",
             "kept chars/req", "Δ accepted chars/req vs greedy", "Δ kept chars/req vs greedy", "≠ greedy"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "|".join("---:" for _ in head[1:]) + "|"]
-    for name, e in result["validation"].items():
+    for name, e in result[measured].items():
         lines.append("| " + " | ".join([name, str(e["n"]), *(cell(e, k) for k in REPORTED),
                                         delta(e, "accepted_chars_per_request"), delta(e, "kept_chars_per_request"),
                                         str(e["chose_other_than_greedy"])]) + " |")
@@ -383,23 +428,36 @@ def write_result(result: dict, out_dir: Path) -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-candidates", show_default=True)
 @click.option("--cache", type=click.Path(dir_okay=False), default=None,
               help="Keep the sampled candidates and their reads here, and reuse them when present.")
+@click.option("--heldout", "on_heldout", is_flag=True,
+              help="Instead: every stdlib:heldout task, read once, by the choosers that fit nothing (no head is "
+                   "fit, nothing is chosen on them); --tasks, --pca and --l2 do not apply.")
 @click.pass_context
 def bench_candidates(ctx, model, tasks, samples, temperature, max_tokens, rule, threshold, pca, l2, seed, out_dir,
-                     cache) -> None:
+                     cache, on_heldout) -> None:
     """Choosing among greedy and sampled candidates by reading the suffix (policy/value_model.py), fit and
-    measured on train tasks only, split by file. Last line: JSON."""
+    measured on train tasks only, split by file; with --heldout, the choosers that fit nothing on every held-out
+    task, read once. Last line: JSON."""
     settings = ctx.find_root().obj
     use_torch_threads(settings.torch_threads)
     model_spec = resolve_model(settings, model) if model else build_named_model(settings)
     say = lambda m: click.echo(m, err=True)  # noqa: E731
+    common = dict(samples=samples, temperature=temperature, max_tokens=max_tokens, rule=rule, threshold=threshold,
+                  seed=seed, cache=Path(cache) if cache else None, say=say)
     try:
-        result = run_candidates_bench(settings, model_spec, tasks=tasks, samples=samples,
-                                      temperature=temperature, max_tokens=max_tokens, rule=rule,
-                                      threshold=threshold, pca=pca, l2=l2, seed=seed,
-                                      cache=Path(cache) if cache else None, say=say)
+        if on_heldout:
+            result = run_heldout_choosers(settings, model_spec, **common)
+        else:
+            result = run_candidates_bench(settings, model_spec, tasks=tasks, pca=pca, l2=l2, **common)
     except ValueError as exc:
         raise TabloopError(str(exc)) from None
     write_result(result, Path(out_dir))
+    if on_heldout:
+        say("bench candidates: all held-out tasks\n" + results_table(result))
+        print(json.dumps({"bench": "candidates", "split": result["split"], "tasks": result["tasks"],
+                          "heldout": {name: {k: e[k] for k in ("n", *REPORTED)}
+                                      | {"accepted_chars_vs_greedy": e["vs_greedy"]["accepted_chars_per_request"]}
+                                      for name, e in result["heldout"].items()}, "wall_s": result["wall_s"]}))
+        return
     say("bench candidates: validation half\n" + results_table(result))
     print(json.dumps({"bench": "candidates", "tasks": result["tasks"],
                       "validation_tasks": result["validation_tasks"],

@@ -100,3 +100,42 @@ def test_shared_prompt_reader_matches_full_forward(tiny_llama):
         hidden = out.hidden_states[-1][0].float().numpy()
         assert read.hidden_suffix == pytest.approx(hidden[-1], abs=1e-4)
         assert read.hidden_end == pytest.approx(hidden[len(prompt) + len(cand) - 1], abs=1e-4)
+
+
+def test_the_parameter_free_choosers_by_hand():
+    # Two tasks (bench candidates --heldout measures these choosers: they fit nothing). Task 0's true rest of
+    # line is "x + 1"; greedy writes "x + 2" (rejected), the two samples "x + 1" (accepted, 5 characters) and
+    # "y". Task 1's is "ok"; greedy writes it (accepted, 2), the samples "no" twice.
+    from rewards.spec import RewardSpec
+    from tabloop.candidates_bench import build_requests, measure_choosers, parameter_free_choosers
+    from trainer.proof.simulate import UserModel
+    from trainer.proof.tasks import FimTask
+
+    tasks = [FimTask("t0", "a = ", "\nb = 1\n", "x + 1"), FimTask("t1", "s = ", "\n", "ok")]
+    completions = [["x + 2", "x + 1", "y"], ["ok", "no", "no"]]
+
+    def read(mean_suffix, cand):
+        return Read(cand_logprobs=(cand,), suffix_logprobs=(mean_suffix,), hidden_end=np.zeros(2),
+                    hidden_suffix=np.zeros(2))
+
+    # The suffix reads best after task 0's right sample and after task 1's greedy; the candidates' own
+    # logprobs favour greedy in task 0: the suffix likelihood picks the right one, the posterior (−0.1 − 0.5
+    # against −1.0 − 0.2 = −1.2: greedy) does not.
+    reads = [[read(-0.5, -0.1), read(-0.2, -1.0), read(-3.0, -2.0)], [read(-0.1, -0.1), read(-2.0, -0.5),
+                                                                         read(-2.0, -0.5)]]
+    user, spec = UserModel("exact"), RewardSpec()
+    requests = build_requests(tasks, completions, reads, user, spec)
+    measured = measure_choosers(parameter_free_choosers(2, 0.7), requests, tasks, user, spec)
+    greedy, oracle = measured["greedy, always shown"], measured["oracle best of 3"]
+    suffix, posterior = measured["(a) suffix likelihood after candidate"], measured[
+        "posterior: log p(candidate) + log p(suffix after it)"]
+    majority = measured["majority vote"]
+    assert greedy["accepted_chars_per_request"] == pytest.approx((0 + 2) / 2)
+    assert oracle["accepted_chars_per_request"] == pytest.approx((5 + 2) / 2)
+    assert oracle["vs_greedy"]["accepted_chars_per_request"]["value"] == pytest.approx(2.5)
+    assert suffix["accepted_chars_per_request"] == pytest.approx(3.5) and suffix["chose_other_than_greedy"] == 1
+    assert posterior["accepted_chars_per_request"] == pytest.approx(1.0)
+    assert posterior["chose_other_than_greedy"] == 0
+    # Task 0's three texts differ (a tie: greedy); task 1's samples agree ("no" twice) against greedy's "ok": the
+    # majority shows "no" (rejected). Nothing accepted.
+    assert majority["accepted_chars_per_request"] == pytest.approx(0.0) and majority["chose_other_than_greedy"] == 1
