@@ -168,6 +168,21 @@ def _json_body(schema_ref: str) -> dict:
     return {"required": True, "content": {"application/json": {"schema": {"$ref": schema_ref}}}}
 
 
+def _completion_route(operation: str, summary: str, request: str, answer: str, stream_note: str = "") -> dict:
+    """A completion route: ``request`` in, ``answer`` back whole, or its chunks as server-sent events."""
+    stream = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+              "description": f"each event's data is a {answer} chunk as JSON; the last is [DONE]."
+                             + (f" {stream_note}" if stream_note else "")}
+    return {"post": {
+        "operationId": operation, "summary": summary, "parameters": [PROJECT_HEADER],
+        "requestBody": _json_body(f"#/components/schemas/{request}"),
+        "responses": {"200": {"description": "the completion; headers X-Tabloop-Completion-Id and "
+                                             "X-Tabloop-Policy-Version",
+                              "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{answer}"}},
+                                          "text/event-stream": {"schema": stream}}},
+                      **REFUSALS}}}
+
+
 def _common_paths() -> dict:
     plain = {"security": []}
     return {
@@ -209,30 +224,12 @@ def _document(title: str, settings: Settings, port: int, paths: dict, schemas: d
 
 def completions_document(settings: Settings, port: int | None = None) -> dict:
     paths = {
-        "/v1/completions": {"post": {
-            "operationId": "createCompletion", "summary": "a code completion (streamed as server-sent events when "
-                                                          "`stream` is true)",
-            "parameters": [PROJECT_HEADER], "requestBody": _json_body("#/components/schemas/CompletionRequest"),
-            "responses": {"200": {
-                "description": "the completion; headers X-Tabloop-Completion-Id and X-Tabloop-Policy-Version",
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Completion"}},
-                            "text/event-stream": {"schema": {
-                                "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
-                                "description": "each event's data is a Completion chunk as JSON; the last is "
-                                               "[DONE]. Never a comment line (Continue ends at `: ping`)"}}}},
-                **REFUSALS}}},
-        "/v1/fim/completions": {"post": {
-            "operationId": "createFimCompletion", "summary": "a code completion between a prefix and a suffix, "
-                                                             "Mistral's FIM API (streamed when `stream` is true)",
-            "parameters": [PROJECT_HEADER], "requestBody": _json_body("#/components/schemas/FimRequest"),
-            "responses": {"200": {
-                "description": "the completion; headers X-Tabloop-Completion-Id and X-Tabloop-Policy-Version",
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/FimCompletion"}},
-                            "text/event-stream": {"schema": {
-                                "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
-                                "description": "each event's data is a FimCompletion chunk as JSON; the last "
-                                               "is [DONE]"}}}},
-                **REFUSALS}}},
+        "/v1/completions": _completion_route(
+            "createCompletion", "a code completion (streamed as server-sent events when `stream` is true)",
+            "CompletionRequest", "Completion", "Never a comment line (Continue ends at `: ping`)"),
+        "/v1/fim/completions": _completion_route(
+            "createFimCompletion", "a code completion between a prefix and a suffix, Mistral's FIM API (streamed "
+                                   "when `stream` is true)", "FimRequest", "FimCompletion"),
         "/v1/models": {"get": {
             "operationId": "listModels", "summary": "the model being served and its policy version",
             "parameters": [PROJECT_HEADER],

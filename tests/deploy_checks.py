@@ -15,6 +15,14 @@ from infra.settings import ENV_PREFIX, Settings, load_settings
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$\$")
 
 
+def service_env(service: dict) -> dict[str, str]:
+    """A compose service's environment as a dict (compose takes a list of KEY=VALUE too); a bare key is ""."""
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
 def interpolate(value, env: dict[str, str]):
     """Compose's variable interpolation on every string of a parsed file: ${X}, ${X:-default}, ${X-default}, $$."""
     if isinstance(value, dict):
@@ -53,7 +61,7 @@ def check_tabloop_command(argv: list[str]) -> str:
             break  # a group that runs by itself too (`tabloop history`)
         assert args, f"`tabloop {' '.join(path)}` needs a subcommand"
         name = args.pop(0)
-        sub = cmd.commands.get(name)
+        sub = cmd.get_command(click.Context(cmd), name)  # a registry group imports the command it names
         assert sub is not None, f"`tabloop {' '.join(path + [name])}` is not a tabloop command"
         path.append(name)
         cmd = sub

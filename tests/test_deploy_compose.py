@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from infra.kafka_broker import SEVERAL_WORKERS_JOIN_WAIT_MS
-from tests.deploy_checks import check_settings_env, check_tabloop_command, interpolate, variables
+from tests.deploy_checks import check_settings_env, check_tabloop_command, interpolate, service_env, variables
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_DIR = ROOT / "infra" / "compose"
@@ -46,13 +46,6 @@ def load(env: dict[str, str]) -> dict:
 def active_services(doc: dict, env: dict[str, str]) -> dict[str, dict]:
     profiles = {p for p in env.get("COMPOSE_PROFILES", "").split(",") if p}
     return {n: s for n, s in doc["services"].items() if not s.get("profiles") or profiles & set(s["profiles"])}
-
-
-def service_env(service: dict) -> dict[str, str]:
-    env = service.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) for item in env)
-    return {k: "" if v is None else str(v) for k, v in env.items()}
 
 
 def test_the_vendored_schema_is_the_compose_specification():

@@ -19,7 +19,7 @@ import yaml
 
 from infra.settings import load_settings
 from schemas.topics import CATALOG
-from tests.deploy_checks import check_settings_env, check_tabloop_command, interpolate, variables
+from tests.deploy_checks import check_settings_env, check_tabloop_command, interpolate, service_env, variables
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_DIR = ROOT / "infra" / "compose"
@@ -34,13 +34,6 @@ EXPECTED = {"kafka", "topics", "serve", "streams", "trainer", "history"}
 
 def load(env: dict[str, str] | None = None) -> dict:
     return interpolate(yaml.safe_load(CPU_FILE.read_text()), env or {})
-
-
-def service_env(service: dict) -> dict[str, str]:
-    env = service.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) for item in env)
-    return {k: "" if v is None else str(v) for k, v in env.items()}
 
 
 def test_valid_against_the_compose_schema():

@@ -246,8 +246,7 @@ def test_the_next_version_waits_for_the_running_canarys_decision(setup):
     finally:
         trainer.close()
     assert store.versions() == [1, 2] and store.manifest(2).episodes_trained == 12  # three updates' episodes
-    records = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base,
-                                              want=3)]
+    records = _weight_records(settings, base, 3)
     assert [(r["version"], r["status"]) for r in records] == [(1, "CANDIDATE"), (1, "PROMOTED"), (2, "CANDIDATE")]
 
 
