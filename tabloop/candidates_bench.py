@@ -218,10 +218,14 @@ def chosen_rows(requests: Sequence[dict], picks: Sequence[int | None], tasks: Se
     return out
 
 
-def sampled_requests(settings, model_spec: str, picked: Sequence, user, spec, *, samples: int, temperature: float,
-                     max_tokens: int, seed: int, batch_size: int, cache: Path | None, say) -> tuple[list[dict], dict]:
+def sampled_requests(settings, model_spec: str, picked: Sequence, described: str, *, samples: int,
+                     temperature: float, max_tokens: int, rule: str, threshold: float, seed: int, batch_size: int,
+                     cache: Path | None, say) -> tuple[list[dict], dict, UserModel, RewardSpec]:
     """Sample every task's candidates and read them (the slow part, kept in ``cache`` when given and read back
-    from it when it was made with the same settings), then each task's request (``build_requests``)."""
+    from it when it was made with the same settings), then each task's request (``build_requests``) as the
+    simulated user (``rule``, ``threshold``) decides them; ``described``: the tasks, for the first line said."""
+    user, spec = UserModel(rule, threshold), RewardSpec()
+    say(f"bench candidates: {described}, greedy + {samples} at T {temperature}, {max_tokens} new tokens")
     key = {"model": model_spec, "tasks": [t.task_id for t in picked], "samples": samples, "temperature": temperature,
            "max_tokens": max_tokens, "seed": seed, "max_prompt_tokens": settings.max_prompt_tokens}
     cached = None
@@ -254,7 +258,7 @@ def sampled_requests(settings, model_spec: str, picked: Sequence, user, spec, *,
                                 distinct_read=sum(len(set(t or "" for t in s)) for s in shown))
         keep(cached)
     completions, reads, timing = cached["completions"], cached["reads"], cached["timing"]
-    return build_requests(picked, completions, reads, user, spec), timing
+    return build_requests(picked, completions, reads, user, spec), timing, user, spec
 
 
 def parameter_free_choosers(samples: int, temperature: float) -> dict[str, Callable[[dict], int | None]]:
@@ -291,12 +295,10 @@ def run_heldout_choosers(settings, model_spec: str, *, samples: int = 4, tempera
     learned heads are left out (they fit on train tasks; this run samples none)."""
     started = time.monotonic()
     picked = list(resolve_dataset("stdlib:heldout", seed=seed))
-    user, spec = UserModel(rule, threshold), RewardSpec()
-    say(f"bench candidates: all {len(picked)} held-out tasks, read once; greedy + {samples} at T {temperature}, "
-        f"{max_tokens} new tokens; the parameter-free choosers only")
-    requests, timing = sampled_requests(settings, model_spec, picked, user, spec, samples=samples,
-                                        temperature=temperature, max_tokens=max_tokens, seed=seed,
-                                        batch_size=batch_size, cache=cache, say=say)
+    requests, timing, user, spec = sampled_requests(
+        settings, model_spec, picked, f"all {len(picked)} held-out tasks, read once by the parameter-free choosers",
+        samples=samples, temperature=temperature, max_tokens=max_tokens, rule=rule, threshold=threshold, seed=seed,
+        batch_size=batch_size, cache=cache, say=say)
     return {"bench": "candidates", "model": model_spec, "split": "stdlib:heldout", "seed": seed,
             "tasks": len(picked), "samples": samples, "temperature": temperature, "max_tokens": max_tokens,
             "max_prompt_tokens": settings.max_prompt_tokens, "user": {"rule": rule, "threshold": threshold},
@@ -315,12 +317,10 @@ def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples
     every = list(resolve_dataset("stdlib:train", seed=seed))
     picked = random.Random(f"{seed}:candidates").sample(every, min(tasks, len(every)))
     halves = split_by_file(picked, seed)
-    user, spec = UserModel(rule, threshold), RewardSpec()
-    say(f"bench candidates: {len(picked)} train tasks ({halves.count('fit')} fit, {halves.count('validation')} "
-        f"validation), greedy + {samples} at T {temperature}, {max_tokens} new tokens")
-    requests, timing = sampled_requests(settings, model_spec, picked, user, spec, samples=samples,
-                                        temperature=temperature, max_tokens=max_tokens, seed=seed,
-                                        batch_size=batch_size, cache=cache, say=say)
+    described = f"{len(picked)} train tasks ({halves.count('fit')} fit, {halves.count('validation')} validation)"
+    requests, timing, user, spec = sampled_requests(
+        settings, model_spec, picked, described, samples=samples, temperature=temperature, max_tokens=max_tokens,
+        rule=rule, threshold=threshold, seed=seed, batch_size=batch_size, cache=cache, say=say)
     fit = [r for r, h in zip(requests, halves) if h == "fit"]
     val = [r for r, h in zip(requests, halves) if h == "validation"]
     fit_folds = file_folds([picked[r["task_index"]] for r in fit], folds, seed)

@@ -82,7 +82,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -109,7 +109,7 @@ from trainer.proof.served import (ConfidenceThreshold, choose_confidence_thresho
                                   relative_change, served_rows)
 from trainer.proof.simulate import SimConfig, Simulation, UserModel, decision_rows, outcome_of, records_jsonl
 from trainer.proof.tasks import resolve_dataset
-from trainer.proof.teams import TEAMS, TeamUsers, quote_tasks, team_task
+from trainer.proof.teams import TEAMS, TeamUsers, quote_rule, quote_tasks, team_task
 from trainer.training_config import LoraTraining
 
 FIGURES = ("accept_rate_shown", "shown_share", "accepted_chars_per_request", "reward_mean")
@@ -680,6 +680,12 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
                 say(f"bench loop: reference (v0 greedy, mean token probability ≥ {baseline['threshold']}, chosen on "
                     f"{baseline['train_tasks']} train tasks): "
                     + ", ".join(f"{k} {baseline[k]}" for k in ("n", *REPORTED)))
+            if config.team is not None:
+                baseline, rows = rule_baseline(config.team, heldout, greedy_draws, greedy, user_model, spec)
+                rows_all += [{"version": 0, "gate_version": None, "policy": "reference_rule", **r} for r in rows]
+                reference["rule_baseline"] = baseline
+                say("bench loop: rule baseline (v0 greedy, quotes rewritten to the team's): "
+                    + ", ".join(f"{k} {baseline[k]}" for k in ("n", *REPORTED)))
         # Line log-probabilities as the door gives its show-gate (at the exploration temperature, whatever the
         # draw's): greedy draws' own are all 0. Greedy draws of a task are all the same text: one is enough.
         draws = sample(model, tokenizer, heldout, 1 if temperature <= GREEDY_TEMPERATURE else config.draws,
@@ -711,6 +717,18 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
         del model
     differences = paired_figures(served_by_entry[-1], served_by_entry[0]) if entries else None
     return entries, reference, rows_all, differences
+
+
+def rule_baseline(team: str, heldout: Sequence, greedy_draws: Sequence, greedy_rows: Sequence[dict], user_model,
+                  spec) -> tuple[dict, list[dict]]:
+    """(the figures, the held-out rows) of the team loop's rule baseline: version 0's greedy completions with
+    every quote rewritten to the team's (``trainer.proof.teams.quote_rule``), always shown: a habit a regex
+    knows, which a learned team policy has to beat. Nothing is chosen: the rule has no parameter."""
+    ruled = [replace(d, completion=quote_rule(d.completion, team), line=quote_rule(d.line, team))
+             for d in greedy_draws]
+    rows = served_rows(heldout, ruled, None, user_model, spec, explore=False)
+    return {"version": 0, "decoding": "greedy", "gate_version": None, "rule": f"quotes rewritten to {TEAMS[team]}",
+            **figures(rows), "vs_reference": paired_figures(rows, greedy_rows)}, rows
 
 
 def threshold_baseline(config: LoopBenchConfig, settings, train: Sequence, greedy_draws: Sequence,
@@ -768,6 +786,9 @@ def results_table(result: dict) -> str:
         threshold = reference.get("threshold_baseline")
         if threshold:
             rows.append((f"v0 greedy, mean token prob ≥ {threshold['threshold']:.3g} (chosen on train)", threshold))
+        rule = reference.get("rule_baseline")
+        if rule:
+            rows.append((f"v0 greedy, {rule['rule']} (the rule baseline)", rule))
     for v in result.get("versions", []):
         gate = "" if v.get("gate_version") is None else f" + gate v{v['gate_version']}"
         rows.append((f"v{v['version']}{gate}, served", v))

@@ -121,6 +121,31 @@ def test_the_confidence_threshold_baseline_is_chosen_on_train_tasks_and_measured
         LoopBenchConfig(threshold_tasks=-1)
 
 
+def test_the_team_rule_baseline_rewrites_greedys_quotes_and_is_measured_beside_the_reference():
+    """Issue 41, items 5 and 6: "the rule baseline reported beside the learned policy" of the team loop."""
+    from tabloop.loop_bench import rule_baseline
+    from trainer.proof.evaluate import Draw
+    from trainer.proof.served import served_rows
+    from trainer.proof.teams import TeamUsers, quote_rule, team_task
+
+    assert quote_rule('f("a", "b")', "single") == "f('a', 'b')" and quote_rule("x['k']", "double") == 'x["k"]'
+    assert quote_rule("no quotes", "single") == "no quotes"
+    heldout = [team_task(_task(10, "print(", '"alpha")'), "single"), team_task(_task(11, "log(", '"beta")'), "single")]
+    assert [t.middle for t in heldout] == ["'alpha')", "'beta')"]
+    # Greedy writes task 10's literal in double quotes (the other team's habit), task 11's wrongly altogether.
+    draws = [Draw(0, 0, '"alpha")', '"alpha")', ()), Draw(1, 0, '"gamma")', '"gamma")', ())]
+    user, spec = TeamUsers(0.3), RewardSpec()
+    reference = served_rows(heldout, draws, None, user, spec, explore=False)
+    assert [r["outcome"] for r in reference] == ["REJECTED", "REJECTED"]  # the wrong quotes: never taken
+    baseline, rows = rule_baseline("single", heldout, draws, reference, user, spec)
+    # Re-quoted: 'alpha') is the line itself (accepted, 8 characters); 'gamma') against 'beta') has the quotes
+    # but not the text (edit similarity 0.5 ≥ 0.3: accepted too, 8 characters, the similarity user's leniency).
+    assert [r["shown"] for r in rows] == ["'alpha')", "'gamma')"]
+    assert [r["outcome"] for r in rows] == ["ACCEPTED", "ACCEPTED"]
+    assert baseline["accepted_chars_per_request"] == 8.0 and baseline["rule"] == "quotes rewritten to '"
+    assert baseline["vs_reference"]["accepted_chars_per_request"]["value"] == 8.0
+
+
 def test_the_printed_table_shows_kept_beside_accepted_with_the_clustered_intervals():
     from tabloop.loop_bench import results_table
 
@@ -241,7 +266,8 @@ def test_bench_loop_team_runs_one_teams_users_with_lora_updates_and_no_gate(tiny
     assert len(versions) >= 2 and all(v["gate_version"] is None and v["n"] == 12 for v in versions), versions
     assert set(result["goal"]) >= {"accept_rate_rel_change", "accept_rate_up_50pct", "met"}
     rows = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
-    assert {r["policy"] for r in rows} == {"served", "reference", "reference_threshold"}
+    assert {r["policy"] for r in rows} == {"served", "reference", "reference_threshold", "reference_rule"}
+    assert result["reference"]["rule_baseline"]["n"] == 6  # the rule baseline beside the learned policy
     # The team's tasks: the cursor before a string literal, the team's quotes in the rest of the line.
     assert all(not r["reference"].startswith('"') for r in rows)
     requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]

@@ -64,6 +64,18 @@ def requote(code: str, quote: str) -> str:
     return _STRING.sub(lambda m: f"{m.group(1)}{quote}{m.group(3)}{quote}", code)
 
 
+def quote_rule(text: str, team: str) -> str:
+    """The rule baseline of the team loop (issue 41, item 5): every quote character of the other kind in
+    ``text`` replaced by the team's, what one regex knows of the team's habit. Applied to version 0's greedy
+    completions it is the baseline a learned team policy has to beat.
+
+    >>> quote_rule('print("a", x["k"])', "single")
+    "print('a', x['k'])"
+    """
+    quote = TEAMS[team]
+    return text.replace("'" if quote == '"' else '"', quote)
+
+
 def first_literal_quote(text: str) -> str | None:
     """The opening quote of the first string literal in ``text`` (f'..' and r".." count), closed or not: a
     suggestion may stop inside it. None: there is none."""
