@@ -691,6 +691,15 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
         draws = sample(model, tokenizer, heldout, 1 if temperature <= GREEDY_TEMPERATURE else config.draws,
                        temperature, gate_temperature=settings.default_temperature)
         sampled_s = round(time.monotonic() - t0, 1)
+        if version == 0 and greedy:
+            every_shown = served_rows(heldout, draws, None, user_model, spec, explore=False)
+            ceiling = oracle_rows(greedy, every_shown)
+            rows_all += [{"version": 0, "gate_version": None, "policy": "reference_oracle", **r} for r in ceiling]
+            candidates = 1 + len({d.draw for d in draws})
+            reference["oracle"] = {"version": 0, "candidates": candidates, **figures(ceiling),
+                                   "vs_reference": paired_figures(ceiling, greedy)}
+            say(f"bench loop: ceiling (v0, the best of greedy and {candidates - 1} draws per task): "
+                + ", ".join(f"{k} {reference['oracle'][k]}" for k in ("n", *REPORTED)))
         for gate_version in [None, *pairs.get(version, [])]:
             gate = None
             if gate_version is not None:
@@ -717,6 +726,19 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
         del model
     differences = paired_figures(served_by_entry[-1], served_by_entry[0]) if entries else None
     return entries, reference, rows_all, differences
+
+
+def oracle_rows(*candidates: Sequence[dict]) -> list[dict]:
+    """Per task, of its rows in ``candidates`` (each a list of decided rows; greedy's first), the one with the
+    most accepted characters, the earliest on ties: what choosing among those completions could win at best,
+    the ceiling a value model is measured against (issue 41, item 6). One row per task, in task order."""
+    best: dict[int, dict] = {}
+    for rows in candidates:
+        for row in rows:
+            kept = best.get(row["task_index"])
+            if kept is None or row["accepted_chars"] > kept["accepted_chars"]:
+                best[row["task_index"]] = row
+    return [best[t] for t in sorted(best)]
 
 
 def rule_baseline(team: str, heldout: Sequence, greedy_draws: Sequence, greedy_rows: Sequence[dict], user_model,
@@ -789,6 +811,9 @@ def results_table(result: dict) -> str:
         rule = reference.get("rule_baseline")
         if rule:
             rows.append((f"v0 greedy, {rule['rule']} (the rule baseline)", rule))
+        ceiling = reference.get("oracle")
+        if ceiling:
+            rows.append((f"v0, best of {ceiling['candidates']} per task (the oracle: a ceiling, not a policy)", ceiling))
     for v in result.get("versions", []):
         gate = "" if v.get("gate_version") is None else f" + gate v{v['gate_version']}"
         rows.append((f"v{v['version']}{gate}, served", v))

@@ -146,6 +146,20 @@ def test_the_team_rule_baseline_rewrites_greedys_quotes_and_is_measured_beside_t
     assert baseline["vs_reference"]["accepted_chars_per_request"]["value"] == 8.0
 
 
+def test_the_oracle_ceiling_takes_each_tasks_best_completion_by_hand():
+    """Issue 41, item 6: "the oracle best-of-k as the ceiling"."""
+    from tabloop.loop_bench import oracle_rows
+
+    greedy = [{"task_index": 0, "draw": 0, "accepted_chars": 0}, {"task_index": 1, "draw": 0, "accepted_chars": 5}]
+    draws = [{"task_index": 0, "draw": 0, "accepted_chars": 7}, {"task_index": 0, "draw": 1, "accepted_chars": 3},
+             {"task_index": 1, "draw": 0, "accepted_chars": 5}, {"task_index": 1, "draw": 1, "accepted_chars": 0}]
+    best = oracle_rows(greedy, draws)
+    # Task 0: the first draw's 7 beats greedy's 0 and the second's 3. Task 1: a tie at 5 keeps greedy's row.
+    assert [r["accepted_chars"] for r in best] == [7, 5]
+    assert best[0] is draws[0] and best[1] is greedy[1]
+    assert oracle_rows(greedy) == greedy  # one candidate: the ceiling is greedy itself
+
+
 def test_the_printed_table_shows_kept_beside_accepted_with_the_clustered_intervals():
     from tabloop.loop_bench import results_table
 
@@ -220,6 +234,10 @@ def test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records(
     threshold = reference["threshold_baseline"]  # version 0 greedy under a threshold chosen on 16 train tasks
     assert threshold["train_tasks"] == 16 and threshold["n"] == 8 and 0 <= threshold["threshold"] <= 1
     assert threshold["shown"] <= reference["shown"]
+    # The ceiling: per task the best of greedy and the 2 draws, never below greedy on any task.
+    oracle = reference["oracle"]
+    assert oracle["candidates"] == 3 and oracle["n"] == 8
+    assert oracle["vs_reference"]["accepted_chars_per_request"]["value"] >= 0
     table = (out / "table.md").read_text()
     assert "v0 greedy, always shown (reference)" in table and "clustered by task" in table
     assert result["feedback_to_policy_s"] is not None and result["feedback_to_policy_s"] > 0
@@ -266,7 +284,8 @@ def test_bench_loop_team_runs_one_teams_users_with_lora_updates_and_no_gate(tiny
     assert len(versions) >= 2 and all(v["gate_version"] is None and v["n"] == 12 for v in versions), versions
     assert set(result["goal"]) >= {"accept_rate_rel_change", "accept_rate_up_50pct", "met"}
     rows = [json.loads(line) for line in (out / "heldout.jsonl").read_text().splitlines()]
-    assert {r["policy"] for r in rows} == {"served", "reference", "reference_threshold", "reference_rule"}
+    assert {r["policy"] for r in rows} == {"served", "reference", "reference_threshold", "reference_rule",
+                                           "reference_oracle"}
     assert result["reference"]["rule_baseline"]["n"] == 6  # the rule baseline beside the learned policy
     # The team's tasks: the cursor before a string literal, the team's quotes in the rest of the line.
     assert all(not r["reference"].startswith('"') for r in rows)
