@@ -169,6 +169,9 @@ class Settings(BaseModel):
     trainer_clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip")
     trainer_clip_ratio_c: float = Field(3.0, gt=1, description="dual clip: a token with a negative advantage "
                                         "adds at most this times |A| to the loss, however stale its episode")
+    trainer_tis_cap: float = Field(2.0, ge=0, description="on episodes served by the weights being trained: the "
+                                   "trainer's own logprobs as the ratio's denominator and each token weighed by "
+                                   "min(trainer/server probability, this) (train–inference mismatch); 0 = off")
     trainer_kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference (base) policy; 0 = off")
     trainer_entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight; 0 = off")
     trainer_max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")

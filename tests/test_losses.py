@@ -9,8 +9,8 @@ import torch
 
 from trainer.canary import CanaryTally, canary_decision
 from trainer.losses import (LOGPROB_FLOOR, BaselineState, baseline_advantages, completion_mask, entropy_from_logits,
-                            grpo_advantages, kl_k3, masked_mean, policy_token_logprobs, ppo_clipped_loss,
-                            rloo_advantages, token_logprobs)
+                            gap_figures, grpo_advantages, kl_k3, masked_mean, policy_token_logprobs,
+                            ppo_clipped_loss, rloo_advantages, token_logprobs, train_inference_correction)
 
 
 def test_ppo_ratio_and_clipping_positive_advantage():
@@ -191,3 +191,42 @@ def test_policy_token_logprobs_per_row_sampler_and_floor():
     assert torch.isfinite(logits.grad).all() and logits.grad[1].abs().sum() == 0.0
     with pytest.raises(ValueError, match="greedy"):
         policy_token_logprobs(logits, targets, [0.0, 1.0], [1.0, 1.0])
+
+
+def test_the_train_inference_correction_by_hand():
+    # Two rows of two tokens. Row 0 was served by the weights being trained: the trainer finds its tokens at
+    # probabilities 0.5 and 0.9, the server said 0.4 and 0.3 (bf16 numerics, say). Row 1 came from an older
+    # version: the trainer's 0.2, 0.2 against the server's 0.1, 0.1, a policy change, not numerics.
+    trainer = torch.log(torch.tensor([[0.5, 0.9], [0.2, 0.2]]))
+    server = torch.log(torch.tensor([[0.4, 0.3], [0.1, 0.1]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    same = torch.tensor([True, False])
+    c = train_inference_correction(trainer, server, mask, same, cap=2.0)
+    # Row 0: the trainer's own logprobs are the ratio's denominators (ratio 1 at the first step), each token
+    # weighed by min(π/μ, 2): 0.5/0.4 = 1.25, 0.9/0.3 = 3 → 2. Row 1: the server's, weight 1.
+    assert torch.allclose(c.denominators, torch.stack([trainer[0], server[1]]))
+    assert c.weights.flatten().tolist() == pytest.approx([1.25, 2.0, 1.0, 1.0])
+    # The gap, over row 0's two tokens only: |ln 1.25| = 0.2231, |ln 3| = 1.0986; mean 0.6609.
+    assert (c.tokens, round(c.gap_mean, 4), round(c.gap_max, 4)) == (2, 0.6609, 1.0986)
+    # Off (cap 0): measured all the same, corrected nowhere.
+    off = train_inference_correction(trainer, server, mask, same, cap=0.0)
+    assert torch.equal(off.denominators, server) and off.weights.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert off.gap_mean == c.gap_mean
+    # An update's figures weigh each micro-batch's mean by its tokens: (0.6609·2 + 0.1·1) / 3.
+    other = train_inference_correction(torch.tensor([[0.0]]), torch.tensor([[-0.1]]), torch.ones(1, 1),
+                                       torch.tensor([True]), cap=2.0)
+    figures = gap_figures([c, other])
+    assert figures["logprob_gap_tokens"] == 3.0 and figures["logprob_gap_max"] == pytest.approx(1.0986, abs=1e-4)
+    assert figures["logprob_gap_mean"] == pytest.approx((c.gap_mean * 2 + 0.1) / 3)
+    assert gap_figures([]) == {"logprob_gap_mean": 0.0, "logprob_gap_max": 0.0, "logprob_gap_tokens": 0.0}
+
+
+def test_token_weights_scale_each_tokens_surrogate():
+    # A = +1, ratios 1 (no clip): per-token loss −1 each; weights 2 and 0.5 → (−2 − 0.5) / 2 = −1.25, and the
+    # gradient of each token's logprob is −weight/2.
+    logprobs = torch.zeros((1, 2), requires_grad=True)
+    out = ppo_clipped_loss(logprobs, torch.zeros((1, 2)), torch.tensor([1.0]), torch.ones((1, 2)),
+                           token_weights=torch.tensor([[2.0, 0.5]]))
+    assert out.loss.item() == pytest.approx(-1.25)
+    out.loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([-1.0, -0.25])

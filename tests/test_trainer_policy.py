@@ -334,3 +334,31 @@ def test_a_stale_rejected_episode_is_bounded_by_the_dual_clip(tiny_model):
     assert plain["policy_loss"] == pytest.approx(20.0, rel=1e-3) and plain["grad_norm"] > 10 * fresh["grad_norm"]
     assert capped["policy_loss"] == pytest.approx(3.0) and capped["dual_clip_fraction"] == 1.0
     assert capped["grad_norm"] == 0.0
+
+
+def test_an_episode_served_by_these_weights_starts_at_ratio_one_whatever_the_servers_numerics(tiny_model):
+    """Issue 43, item 3: a sample served by the weights being trained whose server logprobs are off by the
+    server's numerics (here: every token 0.1 nats less likely, as a bf16 replica might say) — the ratio starts at
+    1 (the trainer's own logprobs are its denominator), the gap is measured, and each token is weighed by the
+    truncated importance weight exp(0.1). Without the flag the same sample's ratio starts at exp(0.1)."""
+    import math
+
+    model, tok = load_model(tiny_model)
+    sample = make_sample(tok, "def f():\n    return", [11, 12, 13], None, 1.0)
+    trainer = PolicyTrainer(model, tok, UpdateConfig(lr=1e-9, warmup_updates=0), full=True)
+    current = trainer.sequence_logprobs([sample])[0]
+    served = [lp - 0.1 for lp in current]
+
+    corrected = trainer.update([Sample(sample.prompt_ids, sample.completion_ids, served, 1.0, same_weights=True)])
+    assert corrected["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert corrected["logprob_gap_mean"] == pytest.approx(0.1, abs=1e-4)
+    assert corrected["logprob_gap_tokens"] == 3.0
+    # −min(r·A, clip(r)·A) at r = 1, A = 1, weighed by exp(0.1): −1.105 per token.
+    assert corrected["policy_loss"] == pytest.approx(-math.exp(0.1), abs=1e-3)
+
+    plain = trainer.update([Sample(sample.prompt_ids, sample.completion_ids, served, 1.0)])
+    assert plain["ratio_mean"] == pytest.approx(math.exp(0.1), abs=1e-3) and plain["logprob_gap_tokens"] == 0.0
+    trainer.config = UpdateConfig(lr=1e-9, warmup_updates=0, tis_cap=0.0)  # off: measured, not corrected
+    off = trainer.update([Sample(sample.prompt_ids, sample.completion_ids, served, 1.0, same_weights=True)])
+    assert off["ratio_mean"] == pytest.approx(math.exp(0.1), abs=1e-3)
+    assert off["logprob_gap_mean"] == pytest.approx(0.1, abs=1e-4)

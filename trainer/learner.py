@@ -37,8 +37,9 @@ import torch
 
 from policy.models import CachedDecoder, lora_target_modules
 from policy.sampling import GREEDY_TEMPERATURE, sampling_log_probs
-from trainer.losses import (DUAL_CLIP_RATIO, LossTerms, entropy_from_logits, kl_k3, loss_terms, masked_mean,
-                            policy_token_logprobs, ppo_clipped_loss, token_logprobs)
+from trainer.losses import (DUAL_CLIP_RATIO, LossTerms, TrainInferenceCorrection, entropy_from_logits, gap_figures,
+                            kl_k3, loss_terms, masked_mean, policy_token_logprobs, ppo_clipped_loss, token_logprobs,
+                            train_inference_correction)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -54,6 +55,9 @@ class Sample:
     """The sampler's temperature when the completion was drawn: the ratio is taken under the same one."""
     top_p: float = 1.0
     """The sampler's top-p nucleus when the completion was drawn."""
+    same_weights: bool = False
+    """Served by the very weights the update starts from (its policy version is the trainer's): its behaviour
+    logprobs and the trainer's differ only by the server's numerics (``losses.train_inference_correction``)."""
 
     def __post_init__(self) -> None:
         if self.temperature <= GREEDY_TEMPERATURE:
@@ -98,6 +102,10 @@ class UpdateConfig:
     clip_ratio_c: float = DUAL_CLIP_RATIO
     """Dual clip: a token with A < 0 adds at most −c·A to the loss however stale its episode
     (``ppo_clipped_loss``)."""
+    tis_cap: float = 2.0
+    """Truncated importance weights on rows served by the weights being trained (``same_weights``): the cap on
+    π_trainer/μ_server (``losses.train_inference_correction``); 0 = off (the server's logprobs are the ratio's
+    denominator on every row)."""
     kl_coef: float = 0.0
     """Weight of KL(current ‖ reference) in the loss; 0 = off (no reference forward pass)."""
     entropy_coef: float = 0.0
@@ -196,7 +204,7 @@ class PolicyTrainer:
         sums = {"policy_loss": 0.0, "approx_kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "kl_ref": 0.0,
                 "ratio_mean": 0.0, "dual_clip_fraction": 0.0}
         grad_norm = 0.0
-        frozen_behaviour: dict[int, torch.Tensor] = {}
+        frozen_behaviour: dict[int, TrainInferenceCorrection] = {}
         for epoch in range(cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for index, chunk in enumerate(micro):
@@ -209,27 +217,35 @@ class PolicyTrainer:
             grad_norm = self._step()
         self.updates += 1
         seconds = time.perf_counter() - started
-        return {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+        return {**sums, **gap_figures(frozen_behaviour.values()), "grad_norm": grad_norm,
+                "lr": self.optimizer.param_groups[0]["lr"],
                 "update_seconds": seconds, "tokens": float(total_tokens),
                 "tokens_per_s": total_tokens * cfg.epochs / seconds if seconds > 0 else 0.0,
                 "samples": float(len(samples)),
                 "advantage_mean": sum(s.advantage for s in samples) / len(samples)}
 
-    def _loss_terms(self, chunk: Sequence[Sample], frozen_behaviour: dict[int, torch.Tensor], index: int
-                    ) -> LossTerms:
+    def _loss_terms(self, chunk: Sequence[Sample], frozen_behaviour: dict[int, TrainInferenceCorrection],
+                    index: int) -> LossTerms:
         """Micro-batch ``index``'s loss terms (trainer/losses.py): PPO's clipped surrogate, the entropy and the
-        KL to the reference. The behaviour logprobs are frozen at the first epoch's pass (``frozen_behaviour``):
-        recorded ones where the sample has them, else the current policy's then (on-policy, ratio 1)."""
+        KL to the reference. The ratio's denominators are frozen at the first epoch's pass (``frozen_behaviour``):
+        recorded ones where the sample has them, else the current policy's then (on-policy, ratio 1); on rows
+        served by these very weights, the trainer's own with truncated importance weights
+        (``train_inference_correction``)."""
         cfg = self.config
         with self._autocast():
             logits, targets, mask = self._forward(self.model, chunk)
         # The ratio's log-probabilities: each row under the sampler that drew it (see the module doc).
         logprobs = policy_token_logprobs(logits, targets, [s.temperature for s in chunk], [s.top_p for s in chunk])
         if index not in frozen_behaviour:
-            frozen_behaviour[index] = self._behaviour_tensor(chunk, logprobs.detach(), mask)
+            same = torch.tensor([s.same_weights and s.behaviour_logprobs is not None for s in chunk],
+                                device=logprobs.device)
+            frozen_behaviour[index] = train_inference_correction(
+                logprobs.detach(), self._behaviour_tensor(chunk, logprobs.detach(), mask), mask, same,
+                cap=cfg.tis_cap)
+        frozen = frozen_behaviour[index]
         advantages = torch.tensor([s.advantage for s in chunk], device=logprobs.device)
-        surrogate = ppo_clipped_loss(logprobs, frozen_behaviour[index], advantages, mask, clip_eps=cfg.clip_eps,
-                                     clip_ratio_c=cfg.clip_ratio_c)
+        surrogate = ppo_clipped_loss(logprobs, frozen.denominators, advantages, mask, clip_eps=cfg.clip_eps,
+                                     clip_ratio_c=cfg.clip_ratio_c, token_weights=frozen.weights)
         with contextlib.nullcontext() if cfg.entropy_coef > 0 else torch.no_grad():
             entropy = masked_mean(entropy_from_logits(logits), mask)
         kl_ref = torch.zeros(())

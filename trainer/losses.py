@@ -203,8 +203,8 @@ DUAL_CLIP_RATIO = 3.0
 
 
 def ppo_clipped_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
-                     mask: torch.Tensor, *, clip_eps: float = 0.2,
-                     clip_ratio_c: float = DUAL_CLIP_RATIO) -> PolicyLoss:
+                     mask: torch.Tensor, *, clip_eps: float = 0.2, clip_ratio_c: float = DUAL_CLIP_RATIO,
+                     token_weights: torch.Tensor | None = None) -> PolicyLoss:
     """PPO's clipped surrogate against the behaviour policy that generated the tokens, with dual clip.
 
     ratio_t = exp(log π(a_t) − log μ(a_t)), with μ the logprobs the serving
@@ -220,6 +220,9 @@ def ppo_clipped_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, a
     −c·A (c > 1): past ratio c it is constant, with no gradient.
     ``clip_ratio_c=math.inf`` turns the cap off.
 
+    ``token_weights`` (B, T), constants: each token's loss multiplied by its weight (the truncated importance
+    weight of ``train_inference_correction``, when ``behaviour_logprobs`` are the trainer's own).
+
     ``logprobs``/``behaviour_logprobs``/``mask``: (B, T); ``advantages``: (B,).
     """
     if not clip_ratio_c > 1.0:
@@ -233,6 +236,8 @@ def ppo_clipped_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, a
     negative = adv < 0
     capped = torch.minimum(ppo, -clip_ratio_c * adv)
     per_token = torch.where(negative, capped, ppo)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
     loss = masked_mean(per_token, mask)
     with torch.no_grad():
         was_clipped = (clipped < unclipped).float()  # min() picked the clipped term: no gradient there
@@ -243,6 +248,68 @@ def ppo_clipped_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, a
         approx_kl = float(masked_mean(kl_k3(logprobs, behaviour_logprobs), mask))
         ratio_mean = float(masked_mean(ratio, mask))
     return PolicyLoss(loss, clip_fraction, approx_kl, ratio_mean, dual_clip_fraction)
+
+
+@dataclass(frozen=True)
+class TrainInferenceCorrection:
+    """What ``train_inference_correction`` gives the surrogate: its denominators and token weights."""
+
+    denominators: torch.Tensor
+    """(B, T): the trainer's own logprobs where a row was served by the weights being trained (its ratio starts
+    at 1), the server's elsewhere."""
+    weights: torch.Tensor
+    """(B, T): min(π_trainer / μ_server, cap) on those rows' tokens, 1 elsewhere."""
+    gap_mean: float
+    """Mean |log π_trainer − log μ_server| over those rows' tokens (0 with none): the train–inference gap."""
+    gap_max: float
+    tokens: int
+    """How many tokens the gap is measured on."""
+
+
+def train_inference_correction(trainer_logprobs: torch.Tensor, server_logprobs: torch.Tensor, mask: torch.Tensor,
+                               same_weights: torch.Tensor, *, cap: float) -> TrainInferenceCorrection:
+    r"""The train–inference mismatch, measured and corrected (truncated importance sampling).
+
+    A row ``same_weights`` was served by the very weights the update starts from: its server logprobs μ and
+    the trainer's π_old are the same policy computed twice, and differ only by the server's numerics (vLLM casts
+    to bf16 by default: up to 0.25 nats a token measured, issue 43). PPO's ratio π_θ/μ then starts off 1 on
+    every token and clips on noise. So on those rows the ratio's denominator is π_old (detached: ratio 1 at the
+    first step) and each token's loss is weighed by w = min(π_old/μ, ``cap``): the importance weight from
+    the distribution the tokens were drawn from (μ) to the one the surrogate assumes (π_old), truncated so
+    that a token the server found much less likely than the trainer does cannot dominate (Yao et al. 2025;
+    the cap, like verl's and TRL's, is a few). ``cap`` 0: no correction (μ is the denominator, as for rows
+    served by older weights, whose π_old the trainer does not hold); the gap is measured either way.
+
+    By hand: π_old = 0.5, μ = 0.4 → w = 1.25; π_old = 0.9, μ = 0.3 → 3, capped at 2.
+
+    >>> import math
+    >>> t = torch.tensor([[math.log(0.5), math.log(0.9)]]); s = torch.tensor([[math.log(0.4), math.log(0.3)]])
+    >>> c = train_inference_correction(t, s, torch.ones(1, 2), torch.tensor([True]), cap=2.0)
+    >>> [round(w, 4) for w in c.weights[0].tolist()], round(c.gap_max, 4), c.tokens
+    ([1.25, 2.0], 1.0986, 2)
+    """
+    rows = same_weights.to(torch.bool)[:, None] & (mask > 0)
+    gap = (trainer_logprobs - server_logprobs).abs()
+    tokens = int(rows.sum())
+    gap_mean = float(gap[rows].mean()) if tokens else 0.0
+    gap_max = float(gap[rows].max()) if tokens else 0.0
+    if cap <= 0:
+        return TrainInferenceCorrection(server_logprobs, torch.ones_like(server_logprobs), gap_mean, gap_max, tokens)
+    denominators = torch.where(rows, trainer_logprobs, server_logprobs)
+    weights = torch.where(rows, torch.exp(trainer_logprobs - server_logprobs).clamp(max=cap),
+                          torch.ones_like(server_logprobs))
+    return TrainInferenceCorrection(denominators, weights, gap_mean, gap_max, tokens)
+
+
+def gap_figures(corrections) -> dict[str, float]:
+    """An update's train–inference figures from its micro-batches' corrections: the mean and largest
+    |log π_trainer − log μ_server| over the tokens of rows served by the weights being trained, how many
+    tokens that is (0: none such this update, the figures 0)."""
+    corrections = list(corrections)
+    tokens = sum(c.tokens for c in corrections)
+    return {"logprob_gap_mean": sum(c.gap_mean * c.tokens for c in corrections) / tokens if tokens else 0.0,
+            "logprob_gap_max": max((c.gap_max for c in corrections), default=0.0),
+            "logprob_gap_tokens": float(tokens)}
 
 
 def kl_k3(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ The trainer's collaborators, each in its own module: the update (trainer/update.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -351,6 +352,10 @@ class OnlineTrainer:
             p.drop("empty")
             return
         staleness = self.version - ep["policy_version"] if ep["policy_version"] is not None else 0
+        if ep["policy_version"] == self.version and self.progress.updates == 0:
+            # Served by the weights the next update starts from (no update since they were saved): the gap
+            # between its logprobs and the trainer's is the server's numerics (losses.train_inference_correction).
+            sample = dataclasses.replace(sample, same_weights=True)
         self.pending.add(sample, reward=float(ep["reward"]), accepted=ep["outcome"] == "ACCEPTED",
                          staleness=staleness, project=project)
         self.project_policies.count(project)

@@ -80,8 +80,9 @@ def ppo_update(policy: PolicyTrainer, batch: Batch, baseline: BaselineState, *, 
 
 def project_update(policy: PolicyTrainer, samples: list[Sample], rewards: list[float]) -> dict[str, float]:
     """A project's own policy updated on that project's samples of a batch, with the advantages the batch's
-    update gave them (the baseline is per project already)."""
-    metrics = policy.update(samples)
+    update gave them (the baseline is per project already). Not the weights that served them (the samples'
+    ``same_weights`` speaks of the shared policy): their server logprobs stay the ratio's denominators."""
+    metrics = policy.update([dataclasses.replace(s, same_weights=False) for s in samples])
     metrics.update(reward_mean=sum(rewards) / len(rewards))
     return metrics
 
@@ -91,7 +92,8 @@ def update_config(settings: Settings) -> UpdateConfig:
                         clip_eps=settings.trainer_clip_eps, clip_ratio_c=settings.trainer_clip_ratio_c,
                         kl_coef=settings.trainer_kl_coef,
                         entropy_coef=settings.trainer_entropy_coef, max_grad_norm=settings.trainer_max_grad_norm,
-                        micro_batch=settings.trainer_micro_batch, epochs=settings.trainer_epochs)
+                        micro_batch=settings.trainer_micro_batch, epochs=settings.trainer_epochs,
+                        tis_cap=settings.trainer_tis_cap)
 
 
 class MetricsLog:
