@@ -390,11 +390,17 @@ def publish_steadily(settings, events, per_second: float) -> threading.Thread:
     """Publish ``events`` from a thread at ``per_second``, as IDEs do: the load goes on through a broker
     outage (the producer holds what it cannot deliver yet, for up to its delivery timeout)."""
     def run() -> None:
-        with EventProducer(settings) as producer:
+        producer = EventProducer(settings)
+        try:
             start = time.monotonic()
             for i, e in enumerate(events):
                 time.sleep(max(0.0, start + i / per_second - time.monotonic()))
                 producer.publish(e)
+        finally:
+            # What the outage held back is delivered once the broker's coordinators have loaded again, which on
+            # a machine running other drills took over a minute: wait for it as long as the drill does (its
+            # delivery timeout still fails what the broker never took).
+            producer.close(timeout_s=300)
 
     thread = threading.Thread(target=run, name="steady-load", daemon=True)
     thread.start()
