@@ -691,15 +691,6 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
         draws = sample(model, tokenizer, heldout, 1 if temperature <= GREEDY_TEMPERATURE else config.draws,
                        temperature, gate_temperature=settings.default_temperature)
         sampled_s = round(time.monotonic() - t0, 1)
-        if version == 0 and greedy:
-            every_shown = served_rows(heldout, draws, None, user_model, spec, explore=False)
-            ceiling = oracle_rows(greedy, every_shown)
-            rows_all += [{"version": 0, "gate_version": None, "policy": "reference_oracle", **r} for r in ceiling]
-            candidates = 1 + len({d.draw for d in draws})
-            reference["oracle"] = {"version": 0, "candidates": candidates, **figures(ceiling),
-                                   "vs_reference": paired_figures(ceiling, greedy)}
-            say(f"bench loop: ceiling (v0, the best of greedy and {candidates - 1} draws per task): "
-                + ", ".join(f"{k} {reference['oracle'][k]}" for k in ("n", *REPORTED)))
         for gate_version in [None, *pairs.get(version, [])]:
             gate = None
             if gate_version is not None:
@@ -709,6 +700,14 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
                 gate = Gate.from_record(gate_records[gate_version])
             served = served_rows(heldout, draws, gate, user_model, spec, explore=True, seed=config.seed)
             decided = served_rows(heldout, draws, gate, user_model, spec, explore=False, seed=config.seed)
+            if version == 0 and gate is None and greedy:  # every draw shown: the ceiling chooses among them
+                ceiling = oracle_rows(greedy, decided)
+                rows_all += [{"version": 0, "gate_version": None, "policy": "reference_oracle", **r} for r in ceiling]
+                candidates = 1 + len({d.draw for d in draws})
+                reference["oracle"] = {"version": 0, "candidates": candidates, **figures(ceiling),
+                                       "vs_reference": paired_figures(ceiling, greedy)}
+                say(f"bench loop: ceiling (v0, the best of greedy and {candidates - 1} draws per task): "
+                    + ", ".join(f"{k} {reference['oracle'][k]}" for k in ("n", *REPORTED)))
             rows_all += [{"version": version, "gate_version": gate_version, "policy": "served", **r} for r in served]
             if gate is not None:
                 rows_all += [{"version": version, "gate_version": gate_version, "policy": "gate", **r}
@@ -813,7 +812,8 @@ def results_table(result: dict) -> str:
             rows.append((f"v0 greedy, {rule['rule']} (the rule baseline)", rule))
         ceiling = reference.get("oracle")
         if ceiling:
-            rows.append((f"v0, best of {ceiling['candidates']} per task (the oracle: a ceiling, not a policy)", ceiling))
+            label = f"v0, best of {ceiling['candidates']} per task (the oracle: a ceiling, not a policy)"
+            rows.append((label, ceiling))
     for v in result.get("versions", []):
         gate = "" if v.get("gate_version") is None else f" + gate v{v['gate_version']}"
         rows.append((f"v{v['version']}{gate}, served", v))
