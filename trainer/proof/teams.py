@@ -67,7 +67,8 @@ def requote(code: str, quote: str) -> str:
 def quote_rule(text: str, team: str) -> str:
     """The rule baseline of the team loop (issue 41, item 5): every quote character of the other kind in
     ``text`` replaced by the team's, what one regex knows of the team's habit. Applied to version 0's greedy
-    completions it is the baseline a learned team policy has to beat.
+    completions it is the baseline a learned team policy has to beat. Not ``requote``: that one rewrites only
+    closed one-line literals, and a suggestion often stops inside its literal.
 
     >>> quote_rule('print("a", x["k"])', "single")
     "print('a', x['k'])"
