@@ -18,6 +18,8 @@ touches (tests/test_streams*.py, the fault drills). ``StreamsApp`` wires them in
 - ``SeekSafeConsumer.on_partitions_revoked`` and ``SourceBoundTransactions.on_rebalance``: nothing
   uncommitted outlives a rebalance (Faust forgets the acks before it commits; the open transaction of a
   partition the worker keeps then went on and took the re-read input's output a second time: issue 44).
+- ``SourceBoundTransactions.commit``: a commit that fails ends the worker at once (Faust swallows a fenced
+  producer, or stops gracefully while still committing, its transactions open meanwhile: issue 44).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 from faust.transport.drivers.aiokafka import Producer as AIOKafkaProducer
 
 log = logging.getLogger("tabloop.streams")
-EXIT_UNCOMMITTED_AT_REBALANCE = 76
-"""The worker's exit code when a rebalance finds work it could not commit (``exit_for_a_clean_start``)."""
+EXIT_UNCOMMITTED = 76
+"""The worker's exit code when it holds work it could not commit: a commit failed, or a rebalance found
+output in a transaction it keeps (``exit_for_a_clean_start``)."""
 TRANSACTION_TIMEOUT_S = 30.0
 """How long the broker lets a transaction of the worker stay open before it aborts it (aiokafka's default is
 60 s). A transaction lives one commit interval (0.5 s) when all is well; one left open by a worker that
@@ -55,9 +58,9 @@ def exit_for_a_clean_start(why: str) -> None:
     next fences this one's transactional producers (the broker aborts their open transactions), restores its
     tables from what was committed and reads from the committed offsets: nothing lost, nothing twice."""
     log.error("%s; exiting with code %d for a fresh worker to start from what was committed", why,
-              EXIT_UNCOMMITTED_AT_REBALANCE)
+              EXIT_UNCOMMITTED)
     logging.shutdown()
-    os._exit(EXIT_UNCOMMITTED_AT_REBALANCE)
+    os._exit(EXIT_UNCOMMITTED)
 
 
 def transaction_has_output(kafka_producer) -> bool:
@@ -190,9 +193,27 @@ class SourceBoundTransactions(TransactionManager):
             transactional_id=transactional_id_of(self.app, event.message.tp))
 
     async def commit(self, offsets, start_new_transaction: bool = True) -> bool:
+        """Each source partition's table changes and offsets into its transaction, and the transactions
+        committed; a commit that fails exits the worker (``exit_for_a_clean_start``).
+
+        A failed commit leaves transactions in a state the worker cannot know (offsets sent or not, ended or
+        not) with output in them. Faust would log a fenced producer and crash the app, or let any other
+        error crash it: a graceful stop that went on trying to commit, holding those transactions open and
+        every read_committed reader of their partitions behind them (a minute after a Kafka outage in the
+        fuzzer, issue 44). An exit at once hands them to the next worker, whose producers fence this one's:
+        the broker aborts what was not committed and the input is read again from the committed offsets."""
         async with self.app.tabloop_processing:
-            await self.app.tabloop_changes.send({transactional_id_of(self.app, tp) for tp in offsets})
-            return await super().commit(offsets, start_new_transaction=start_new_transaction)
+            try:
+                await self.app.tabloop_changes.send({transactional_id_of(self.app, tp) for tp in offsets})
+                by_transaction: dict[str, dict] = defaultdict(dict)
+                for tp, offset in offsets.items():
+                    by_transaction[transactional_id_of(self.app, tp)][tp] = offset
+                if by_transaction:
+                    await self.producer.commit_transactions(by_transaction, self.app.conf.id,
+                                                            start_new_transaction=start_new_transaction)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves transactions in an unknown state
+                exit_for_a_clean_start(f"a commit failed ({exc!r})")
+            return True
 
     async def on_rebalance(self, assigned, revoked, newly_assigned) -> None:
         """Faust keeps the producer of a partition the worker keeps and "begins" its transaction again, which

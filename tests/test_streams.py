@@ -434,6 +434,48 @@ def test_kafka_stopped_thirty_seconds_under_steady_load_commits_no_episode_twice
     assert check(episodes, before, expected) == 0
 
 
+def fence_transactions(settings, app_id: str = "tabloop-streams", groups: int = 4) -> None:
+    """Do what a second worker with the same transactional ids does first (init_transactions): the broker
+    aborts the open transactions of those ids and refuses their old producers from then on."""
+    from confluent_kafka import Producer
+
+    for group in range(groups):
+        for partition in range(settings.topic_partitions):
+            zombie_killer = Producer({"bootstrap.servers": settings.kafka_bootstrap,
+                                      "transactional.id": f"{app_id}-{group}-{partition}"})
+            zombie_killer.init_transactions(60)
+
+
+@pytest.mark.timeout(1800)
+def test_a_worker_whose_transactions_are_fenced_mid_stream_exits_at_once_and_nothing_is_doubled(kafka, tmp_path):
+    """A commit that fails (here: the worker's transactional producers fenced, as a worker that paused past its
+    session is by its successor) leaves transactions whose state the worker cannot know. It exits at once, as
+    a SIGKILL would, for the next worker to start from what was committed; a Faust crash instead stopped it
+    gracefully with its commits still being tried for a minute (issue 44: a reader held 70 s behind them)."""
+    from streams.upstream import EXIT_UNCOMMITTED
+
+    settings, events, expected, _, before = drill_start(kafka, tmp_path, seed=23, n_completions=1500, n_feedback=1500)
+    worker = start_worker(settings, "streams-1.log")
+    try:
+        load = publish_steadily(settings, events, per_second=60)
+        collect(settings, before, len(expected) // 8, 300, worker)  # the worker is busy: mid-transaction
+        fence_transactions(settings)
+        try:
+            code = worker.wait(120)
+        except subprocess.TimeoutExpired:
+            code = None
+        log = (settings.state_dir / "streams-1.log").read_text(errors="replace")
+        load.join(300)
+        worker, restarts = collect_restarting(settings, before, len(expected), worker, grace_s=WINDOW_S + LATENESS_S + 10)
+        nothing_left_to_close(settings, LATENESS_S + IDLE_S + 120)
+        episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+    finally:
+        stop(worker)
+    print(f"fenced worker's exit code {code}; restarts {restarts}")
+    assert check(episodes, before, expected) == 0
+    assert code == EXIT_UNCOMMITTED, (code, "\n".join(ln for ln in log.splitlines()[-60:] if "rdkafka" not in ln))
+
+
 def wait_for_log(path, text: str, timeout_s: float) -> None:
     """Until ``text`` is in the log file ``path`` (a worker's own account of what it did)."""
     wait(lambda: path.exists() and text in path.read_text(errors="replace"), timeout_s, f"{text!r} in {path.name}",
