@@ -12,6 +12,7 @@ import click
 from infra.bus import broker_answers
 from infra.errors import TabloopError
 from tabloop import bench as benches
+from tabloop.bench_vllm import bench_serving_vllm
 from tabloop.fuzz import fuzz
 
 
@@ -61,9 +62,21 @@ def bench_pipeline(ctx: click.Context, n: int, rate: int, seconds: float, guaran
               help="Requests per client per round.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers", show_default=True,
+              help="vllm: a real vLLM replica directly, the front door over it and over the transformers engine, "
+                   "at one client and at --clients (needs `tabloop vllm install`)")
+@click.option("--vllm-url", default=None, help="--engine vllm: a replica already running on TABLOOP_MODEL "
+                                               "(default: one started here)")
+@click.option("--transformers/--no-transformers", "with_transformers", default=True, show_default=True,
+              help="--engine vllm: the front door over the transformers engine too")
 @click.pass_context
-def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens: int, rounds: int) -> None:
+def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens: int, rounds: int, engine: str,
+                  vllm_url: str | None, with_transformers: bool) -> None:
     """Streaming latency and TTFT through the front door vs the bare engine (TABLOOP_MODEL; for a quick run point it at `tabloop model tiny --out DIR`)."""
+    if engine == "vllm":
+        bench_serving_vllm(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens,
+                           rounds=rounds, vllm_url=vllm_url, with_transformers=with_transformers)
+        return
     benches.bench_serving(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
 
 

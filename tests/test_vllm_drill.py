@@ -202,6 +202,31 @@ def test_continue_shaped_requests_through_the_front_door_to_vllm(vllm_url, kafka
         server.stop()
 
 
+def test_the_side_by_side_serving_bench_measures_vllm_and_the_door_over_it(vllm_url, kafka, tiny_model, tmp_path):
+    """`tabloop bench serving --engine vllm`, at its smallest, on this module's replica: every side answered
+    every request with tokens, and the door's figures are read against vLLM's own (no speed asserted)."""
+    import subprocess
+    import sys
+
+    from infra.settings import to_environ
+
+    settings = make_settings(tmp_path / "state", kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model)
+    out = subprocess.run([sys.executable, "-m", "tabloop.cli", "bench", "serving", "--engine", "vllm", "--vllm-url",
+                          vllm_url, "--clients", "2", "--requests", "1", "--max-tokens", "4", "--rounds", "1",
+                          "--no-transformers"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **to_environ(settings), "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (report["engine_kind"], report["clients"]) == ("vllm", 2)
+    for level in ("one_client", "2_clients"):
+        assert set(report[level]) == {"vllm", "front_door"}, report[level]
+        for side in report[level].values():
+            assert len(side["tokens_per_s"]) == 1 and side["tokens_per_s"][0] > 0, report
+            assert 0 < side["ttft_ms"]["p50"] <= side["latency_ms"]["p99"], report
+        door, own = report[level]["front_door"], report[level]["vllm"]
+        assert door["throughput_vs_vllm"] == round(door["tokens_per_s"][0] / own["tokens_per_s"][0], 3)
+
+
 @pytest.mark.kafka
 def test_up_with_the_vllm_engine_serves_from_a_replica_it_supervises_and_down_stops_it(tiny_model, tmp_path):
     """`tabloop up --engine vllm` as the README says: tabloop starts its own replica (warm before ready), the
