@@ -95,6 +95,7 @@ def start_door(settings: Settings, log_path: Path, **update) -> tuple[subprocess
 
 def bench_serving_vllm(settings: Settings, *, clients: int = 8, requests_per_client: int = 12, max_tokens: int = 32,
                        rounds: int = 2, vllm_url: str | None = None, with_transformers: bool = True) -> dict:
+    """The side-by-side run (the module's docstring); its figures as one JSON line on stdout, progress on stderr."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     model_dir = resolve_model_spec(settings)
     with scratch_dir("tabloop-bench-vllm-") as state:
@@ -129,13 +130,14 @@ def bench_serving_vllm(settings: Settings, *, clients: int = 8, requests_per_cli
     out = {"bench": "serving", "engine_kind": "vllm", "model": model_dir, "clients": clients,
            "requests_per_client": requests_per_client, "max_tokens": max_tokens, "rounds": rounds,
            "vllm_ready_s": round(ready_s, 1), **result}
-    for level in ("one_client", f"{clients}_clients"):
+    for level in result:
         sides = out[level]
         vllm_tps = statistics.median(sides["vllm"]["tokens_per_s"])
         for side in doors:
             door_tps = statistics.median(sides[side]["tokens_per_s"])
             sides[side]["throughput_vs_vllm"] = round(door_tps / vllm_tps, 3) if vllm_tps else None
-            sides[side]["ttft_overhead_p50_ms"] = round(sides[side]["ttft_ms"]["p50"] - sides["vllm"]["ttft_ms"]["p50"], 2)
+            sides[side]["ttft_overhead_p50_ms"] = round(
+                sides[side]["ttft_ms"]["p50"] - sides["vllm"]["ttft_ms"]["p50"], 2)
         print(f"  {level}: vLLM {vllm_tps:.1f} tokens/s, TTFT p50 {sides['vllm']['ttft_ms']['p50']} ms; "
               + "; ".join(f"{side} {sides[side]['throughput_vs_vllm']}× its throughput, TTFT p50 "
                           f"{sides[side]['ttft_overhead_p50_ms']:+.2f} ms" for side in doors), file=sys.stderr)
@@ -150,13 +152,14 @@ async def _measure(vllm_url: str, served_name: str, doors: dict, clients: int, r
     # without FIM tokens, such as SmolLM2, continues the prefix) and trimmed to the door's budget.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_prompts = [prompt_token_ids(tokenizer, p, max_prompt_tokens)[1] for p in prompts]
-    urls = {"vllm": f"{vllm_url}/v1/completions", **{side: f"{base}/v1/completions" for side, (_, base, _) in doors.items()}}
+    urls = {"vllm": f"{vllm_url}/v1/completions",
+            **{side: f"{base}/v1/completions" for side, (_, base, _) in doors.items()}}
 
     def body(side: str, i: int) -> dict:
         # No stop words: the door adds its own (special tokens' text, which vLLM ends at as end-of-text anyway),
         # and vLLM takes at most four.
-        b = {"prompt": model_prompts[i] if side == "vllm" else prompts[i], "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "stream": True,
-             "stream_options": {"include_usage": True}}
+        b = {"prompt": model_prompts[i] if side == "vllm" else prompts[i], "max_tokens": max_tokens,
+             "temperature": 1.0, "seed": i, "stream": True, "stream_options": {"include_usage": True}}
         return {"model": served_name, **b} if side == "vllm" else b
 
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients * 2)) as http:
@@ -176,7 +179,7 @@ async def _measure(vllm_url: str, served_name: str, doors: dict, clients: int, r
                 samples["latency"] += [g[1] for g in got]
                 samples["tokens_per_s"].append(round(sum(g[2] for g in got) / wall, 2))
 
-        levels = {"one_client": 1, f"{clients}_clients": clients}
+        levels = {"one_client": 1, **({f"{clients}_clients": clients} if clients > 1 else {})}
         samples = {level: {side: {"ttft": [], "latency": [], "tokens_per_s": []} for side in urls} for level in levels}
         for side in urls:  # warm-up: the first requests compile and fill caches
             await one_round(side, clients, None)
