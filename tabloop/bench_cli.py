@@ -108,6 +108,7 @@ def drill_fuzz(seeds: int, first_seed: int, named: tuple[str, ...], load_s: floa
     paused, a second streams worker joining at any moment. Checks every seed's invariants; exits 1 on any
     violation, printing the schedule and the command that replays it."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="tabloop-fuzz-"))
+    benches.stop_cleanly_on_sigterm()  # `kill`, a CI job's timeout: the system it brought up goes down too
     try:
         runs = fuzz(seeds, first_seed, load_s, workdir, model=model, named=named, echo=click.echo)
     except ValueError as exc:
