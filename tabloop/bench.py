@@ -233,6 +233,28 @@ def bench_adapters(settings: Settings, *, rows: int = 8, adapters: int = 4, prom
                   "adapter_load_ms": [round(x) for x in loads]})
 
 
+def serving_prompts(n: int) -> list[str]:
+    """``n`` different FIM prompts of the same shape: what the serving benches send."""
+    return [build_fim_prompt(f"def handler_{i}(request):\n    data = ", "\n    return data\n") for i in range(n)]
+
+
+async def wait_ready(http: httpx.AsyncClient, probe_url: str, proc: subprocess.Popen | None, log_path: Path,
+                     timeout_s: float = 300.0) -> None:
+    """Until ``probe_url`` (a front door's /readyz) answers 200; raises with the log's tail if ``proc`` exited
+    first or it never did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the front door exited ({proc.returncode}):\n{log_tail(log_path)}")
+        try:
+            if (await http.get(probe_url)).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{probe_url} was not ready after {timeout_s:.0f} s:\n{log_tail(log_path)}")
+
+
 def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: int = 12, max_tokens: int = 32,
                   rounds: int = 2) -> dict:
     """N concurrent streaming clients against the bare engine (in this process) and against the front door
@@ -246,8 +268,7 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
             "feedback_port": free_port(), "auth": "open", "serve_host": "127.0.0.1", "max_batch": clients})
         log_path = state / "serve.log"
         engine = make_engine(settings)
-        prompts = [build_fim_prompt(f"def handler_{i}(request):\n    data = ", "\n    return data\n")
-                   for i in range(clients * requests_per_client)]
+        prompts = serving_prompts(clients * requests_per_client)
         tokenized = [engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         url = f"http://127.0.0.1:{settings.completions_port}/v1/completions"
 
@@ -301,18 +322,7 @@ def bench_serving(settings: Settings, *, clients: int = 8, requests_per_client: 
 
         async def main() -> None:
             async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients * 2)) as http:
-                deadline = time.monotonic() + 300
-                while True:
-                    if server.poll() is not None:
-                        raise RuntimeError(f"tabloop serve exited: {log_path.read_text()[-2000:]}")
-                    try:
-                        if (await http.get(url.replace("/v1/completions", "/readyz"))).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("tabloop serve did not become ready")
-                    await asyncio.sleep(0.2)
+                await wait_ready(http, url.replace("/v1/completions", "/readyz"), server, log_path)
                 await run_clients(lambda i: bare_one(i, scratch))  # warm-up, both sides
                 await run_clients(lambda i: door_one(http, i, scratch))
                 for r in range(rounds):

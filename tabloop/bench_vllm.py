@@ -29,21 +29,14 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from infra.files import log_tail
 from infra.kafka_broker import free_port
 from infra.settings import Settings, to_environ
 from infra.vllm_env import VLLMReplica
-from policy.fim import build_fim_prompt, prompt_token_ids
+from policy.fim import prompt_token_ids
 from policy.named_models import resolve_model_spec
-from tabloop.bench import _emit, _percentiles, scratch_dir
+from tabloop.bench import _emit, _percentiles, scratch_dir, serving_prompts, wait_ready
 
 SERVED_NAME = "tabloop-bench"
-READY_TIMEOUT_S = 300.0
-
-
-def prompts_for(n: int) -> list[str]:
-    """``n`` different FIM prompts of the same shape (the serving bench's own)."""
-    return [build_fim_prompt(f"def handler_{i}(request):\n    data = ", "\n    return data\n") for i in range(n)]
 
 
 async def stream_one(http: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, int]:
@@ -64,20 +57,6 @@ async def stream_one(http: httpx.AsyncClient, url: str, body: dict) -> tuple[flo
                 tokens = int(chunk["usage"]["completion_tokens"])
     done = time.perf_counter()
     return ((first or done) - t0) * 1000, (done - t0) * 1000, tokens
-
-
-async def wait_ready(http: httpx.AsyncClient, probe_url: str, proc: subprocess.Popen | None, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the front door exited ({proc.returncode}):\n{log_tail(log_path)}")
-        try:
-            if (await http.get(probe_url)).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        await asyncio.sleep(0.5)
-    raise RuntimeError(f"{probe_url} was not ready after {READY_TIMEOUT_S:.0f} s:\n{log_tail(log_path)}")
 
 
 def start_door(settings: Settings, log_path: Path, **update) -> tuple[subprocess.Popen, str]:
@@ -147,7 +126,7 @@ def bench_serving_vllm(settings: Settings, *, clients: int = 8, requests_per_cli
 async def _measure(vllm_url: str, served_name: str, doors: dict, clients: int, requests_per_client: int,
                    max_tokens: int, rounds: int, model_dir: str, max_prompt_tokens: int) -> dict:
     n = clients * requests_per_client
-    prompts = prompts_for(n)
+    prompts = serving_prompts(n)
     # vLLM asked directly gets what the door would send it: the prompt rendered for the served model (a model
     # without FIM tokens, such as SmolLM2, continues the prefix) and trimmed to the door's budget.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
