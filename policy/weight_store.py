@@ -153,12 +153,10 @@ class WeightStore:
         return None
 
     def next_version(self) -> int:
-        """One more than any version directory, complete or not: a half-written one is never reused."""
-        if not self.fs.exists(self.dir):
-            return 1
-        numbers = [int(m.group(1)) for e in self.fs.ls(self.dir, detail=False)
-                   if (m := _VERSION_DIR.match(e.rstrip("/").rsplit("/", 1)[-1]))]
-        return max(numbers, default=0) + 1
+        """One more than the newest complete version. A half-written directory after it (a crash while saving:
+        no manifest, so nothing announced or served it) gets its number used again, and ``save`` clears it
+        first: the versions announced stay one unbroken sequence."""
+        return max(self.versions(), default=0) + 1
 
     # -- writing ----------------------------------------------------------------
 
@@ -175,6 +173,8 @@ class WeightStore:
         target = self.version_dir(version)
         if self.fs.exists(f"{target}/{MANIFEST}"):
             raise WeightStoreError(f"version {version} already exists in {self.root_uri}")
+        if self.fs.exists(target):  # half-written by a save that crashed: none of its files may stay
+            self.fs.rm(target, recursive=True)
         self.fs.makedirs(target, exist_ok=True)
         for name in names:
             if self.local:
@@ -191,6 +191,15 @@ class WeightStore:
                 f.write(manifest.to_json())
         return manifest
 
+    def remove(self, version: int) -> None:
+        """Delete a version's directory (the trainer's for a save point that never finished: nothing announced
+        it). The manifest goes first, so a crash halfway leaves a half-written directory, never a version."""
+        target = self.version_dir(version)
+        if self.fs.exists(f"{target}/{MANIFEST}"):
+            self.fs.rm(f"{target}/{MANIFEST}")
+        if self.fs.exists(target):
+            self.fs.rm(target, recursive=True)
+
     def materialize(self, version: int, cache_dir: Path) -> Path:
         """A local directory with the version's files, checked against the manifest's sha256."""
         manifest = self.manifest(version)
@@ -198,7 +207,9 @@ class WeightStore:
             local = Path(self.version_dir(version))
         else:
             local = Path(cache_dir) / model_slug(self.base_model) / f"v{version:06d}"
-            if not (local / MANIFEST).exists():
+            # A cached copy of another version of this number (one removed, its number used again) is fetched anew.
+            cached = Manifest.from_json((local / MANIFEST).read_text()) if (local / MANIFEST).exists() else None
+            if cached is None or cached.sha256 != manifest.sha256:
                 Path(cache_dir).mkdir(parents=True, exist_ok=True)
                 tmp = Path(tempfile.mkdtemp(dir=Path(cache_dir)))
                 for name in manifest.files + [MANIFEST]:

@@ -245,7 +245,7 @@ def test_front_door_routes_projects_and_the_weights_commands_act_per_project(kaf
 def test_the_trainer_trains_an_opted_in_projects_own_adapter_and_resumes_it(setup):
     """Real broker: alpha (opted in, 4 episodes needed) gets a version of its own, beta only trains the shared
     policy; the shared manifest names alpha's version; a restart goes on from it; staleness counts the shared
-    policy's versions; a project version from an unfinished save point is never announced."""
+    policy's versions; a project version from an unfinished save point is never announced, and is removed."""
     from safetensors.torch import load_file
 
     from schemas.topics import WEIGHTS
@@ -318,6 +318,8 @@ def test_the_trainer_trains_an_opted_in_projects_own_adapter_and_resumes_it(setu
     later = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base,
                                            want=len(manifests))]
     assert orphan.version not in {r["version"] for r in later}
+    # ... and it is removed at that start: the next version takes its number (the versions stay 1..N).
+    assert orphan.version not in store.versions() and store.next_version() == orphan.version
 
 
 @pytest.mark.kafka

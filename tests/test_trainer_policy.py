@@ -171,9 +171,26 @@ def test_weight_store_round_trip(tmp_path, root):
         (local / "adapter_model.safetensors").write_bytes(b"weights-X")
         with pytest.raises(WeightStoreError, match="does not match"):
             store.materialize(1, tmp_path / "cache")
-        # A version directory without a manifest (a crash mid-save) is not a version, and its number is not reused.
-        (tmp_path / "weights" / store.dir.rsplit("/", 1)[-1] / "v000002").mkdir()
-        assert store.versions() == [1] and store.next_version() == 3
+        (local / "adapter_model.safetensors").write_bytes(b"weights-1")
+
+    # A version directory without a manifest (a crash mid-save) is not a version; the next save takes its number
+    # (the versions announced stay 1..N) and none of the crashed save's files stay in it.
+    store.fs.makedirs(store.version_dir(2), exist_ok=True)
+    with store.fs.open(f"{store.version_dir(2)}/stray.bin", "wb") as f:
+        f.write(b"from the save that crashed")
+    assert store.versions() == [1] and store.next_version() == 2
+    assert store.save(2, files, _fields(parent_version=1)).files == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.version_dir(2), detail=False)) == [
+        "adapter_config.json", "adapter_model.safetensors", "manifest.json"]
+
+    # A version removed and its number used again by other weights: a cached copy of the old one is not served.
+    store.materialize(2, tmp_path / "cache")
+    store.remove(2)
+    assert store.versions() == [1] and not store.fs.exists(store.version_dir(2))
+    (files / "adapter_model.safetensors").write_bytes(b"weights-2, other")
+    store.save(store.next_version(), files, _fields(parent_version=1))
+    local = store.materialize(2, tmp_path / "cache")
+    assert (local / "adapter_model.safetensors").read_bytes() == b"weights-2, other"
 
 
 def test_status_fold_and_promoted_version():

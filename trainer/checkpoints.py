@@ -70,17 +70,25 @@ class Checkpoints:
                 source_offsets=dict(p.offsets), episodes_consumed_total=consumed_before + p.consumed, **fields))
 
 
-def unannounced(store: WeightStore, statuses: Mapping[int, object], shared_versions: list[int]
-                ) -> Iterator[Manifest]:
+def discard_unfinished_save_point(store: WeightStore) -> list[int]:
+    """Remove the project versions written after the newest shared one: their save point never finished (the
+    shared manifest is its commit record), so they are part of no saved state, and nothing announced them.
+    Their numbers are used again, as a half-written directory's are (``WeightStore.next_version``): the
+    versions announced stay one unbroken sequence. Returns the versions removed."""
+    manifests = store.manifests()
+    newest_shared = max((m.version for m in manifests if not m.project_id), default=0)
+    orphans = [m for m in manifests if m.project_id and m.version > newest_shared]
+    for manifest in reversed(orphans):  # newest first: a crash halfway leaves the rest after the newest
+        log.warning("project %s: version %d was saved in a save point that never finished; removed, its "
+                    "episodes are trained again", manifest.project_id, manifest.version)
+        store.remove(manifest.version)
+    return [m.version for m in orphans]
+
+
+def unannounced(store: WeightStore, statuses: Mapping[int, object]) -> Iterator[Manifest]:
     """The saved versions no WeightVersion announced (``statuses``: those announced): a crash between the
-    manifest and the WeightVersion. A project version written after the newest shared one is not among them:
-    its save point never finished (the shared manifest is its commit record), so it is part of no saved state."""
-    newest_shared = shared_versions[-1] if shared_versions else 0
+    manifest and the WeightVersion."""
     for manifest in store.manifests():
-        if manifest.project_id and manifest.version > newest_shared:
-            log.warning("project %s: version %d was saved in an unfinished save point; not announced",
-                        manifest.project_id, manifest.version)
-            continue
         if manifest.version not in statuses:
             log.info("announcing version %d, saved before the last stop but never published", manifest.version)
             yield manifest

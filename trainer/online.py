@@ -34,7 +34,10 @@ updated since its last save is written first (a version with the project's id),
 then the shared version, whose manifest lists each project's version: it is the
 save point's commit record. A restart loads the project versions the newest
 shared manifest names; a project version written after it (a crash between the
-two) is never announced, and its episodes are trained again.
+two) is removed at the start, never announced, and its episodes are trained
+again. A version number is never skipped: a crash while saving leaves a
+directory without a manifest, whose number the next save uses (so the versions
+on tabloop.weights are 1..N, unbroken).
 
 The trainer's collaborators, each in its own module: the update (trainer/update.py), checkpoints
 (trainer/checkpoints.py), the project policies (trainer/project_policies.py), the canaries
@@ -62,8 +65,8 @@ from rewards.spec import RewardSpecs
 from schemas.topics import EPISODES, WEIGHTS
 from trainer.build_models import build_named_model
 from trainer.canary import CANARY_SHARE, CanaryTally, CanaryWatch, release
-from trainer.checkpoints import (Checkpoints, Progress, averaged, baseline_from, baseline_metrics, load_policy,
-                                 unannounced)
+from trainer.checkpoints import (Checkpoints, Progress, averaged, baseline_from, baseline_metrics,
+                                 discard_unfinished_save_point, load_policy, unannounced)
 from trainer.episodes import drop_reason, episode_sample, episode_sampler
 from trainer.head_feed import HeadFeed
 from trainer.learner import PolicyTrainer, describe_device
@@ -99,6 +102,7 @@ class OnlineTrainer:
             logging.getLogger("tabloop").setLevel(logging.INFO)
 
         self.checkpoints = Checkpoints(settings, self.store, topic=topic, work_dir=self.log_dir)
+        discard_unfinished_save_point(self.store)
         latest = self.store.latest(project="")
         self.policy = self.checkpoints.load(latest)
         self.version = latest.version if latest else 0
@@ -441,7 +445,7 @@ class OnlineTrainer:
 
     def _publish_unannounced(self) -> None:
         """A crash between the manifest and the WeightVersion left a version nobody heard of: announce it now."""
-        for manifest in unannounced(self.store, self.weight_versions.statuses(), self.shared_versions):
+        for manifest in unannounced(self.store, self.weight_versions.statuses()):
             self._announce(manifest)
 
     # -- the head of the topic: canaries and the gate's pool ---------------------------
