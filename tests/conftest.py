@@ -75,7 +75,6 @@ DRILL_SECONDS = {
     "test_ten_thousand_shuffled_events_give_exactly_the_expected_episodes": 612,
     "test_bench_loop_runs_the_whole_system_and_its_figures_come_from_its_records": 395,
     "test_up_serves_learns_restarts_and_down_leaves_nothing": 375,
-    "test_kafka_outage_of_thirty_seconds_loses_nothing_and_the_worker_resumes": 320,
     "test_sigkill_mid_stream_loses_nothing_and_doubles_nothing": 311,
     "test_bench_loop_team_runs_one_teams_users_with_lora_updates_and_no_gate": 310,
     "test_feedback_to_new_version_to_serving_rollback_and_canary": 206,
