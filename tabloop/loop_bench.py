@@ -140,6 +140,11 @@ class LoopBenchConfig(LoraTraining):
     minutes: float = 15.0
     users: int = 4
     model: str = "demo"
+    engine: str = "transformers"
+    """The front door's engine: transformers (in the door) or vllm (a managed vLLM replica the supervisor
+    installs nothing for: ``tabloop vllm install`` first; LoRA versions hot-load into it)."""
+    vllm_dtype: str = "float32"
+    """``--engine vllm``: the replica's dtype (``TABLOOP_VLLM_DTYPE``); bfloat16 to see the train–inference gap."""
     heldout: int | None = None
     """Held-out tasks evaluated at every version (None: all of the split)."""
     draws: int = 2
@@ -208,6 +213,8 @@ class LoopBenchConfig(LoraTraining):
             raise ValueError("canary_share must be in [0, 1) and gate_share in (0, 1)")
         if self.save_every < 1 or self.canary_min_episodes < 1 or self.gate_min_episodes < 1:
             raise ValueError("save_every, canary_min_episodes and gate_min_episodes must be at least 1")
+        if self.engine not in ("transformers", "vllm"):
+            raise ValueError(f"engine must be transformers or vllm, got {self.engine!r}")
         if self.rule not in ("exact", "similarity"):
             raise ValueError(f"the loop bench's users decide by exact or similarity, got {self.rule!r} "
                              "(the standard library's tasks have no tests)")
@@ -268,12 +275,15 @@ def episode_outcomes(episodes: Iterable[dict], project: str) -> dict:
 
 def trainer_figures(weight_records: Iterable[dict], base_model: str) -> list[dict]:
     """Per promoted version, what its updates saw and did (the metrics its WeightVersion carries): mean
-    reward and accept rate of the batch, and the policy loss (0 when every advantage was 0)."""
+    reward and accept rate of the batch, the policy loss (0 when every advantage was 0), and the
+    train–inference gap on the episodes its own weights served (``logprob_gap_*``: the server's logprobs
+    against the trainer's on the same tokens; ~0 when both compute in fp32)."""
     out = []
     for version, record in sorted(_first_promotions(weight_records, base_model).items()):
         m = record.get("metrics") or {}
         out.append({"version": version, **{k: round(m[k], 6) if k in m else None for k in (
-            "reward_mean", "accept_rate", "policy_loss", "approx_kl", "staleness_mean")}})
+            "reward_mean", "accept_rate", "policy_loss", "approx_kl", "staleness_mean", "logprob_gap_mean",
+            "logprob_gap_max", "logprob_gap_tokens")}})
     return out
 
 
@@ -463,6 +473,9 @@ def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: s
         "state_dir": state_dir, "kafka_bootstrap": f"127.0.0.1:{free_port()}", "serve_host": "127.0.0.1",
         "completions_port": free_port(), "feedback_port": free_port(), "history_port": free_port(),
         "auth": "open", "model": model_spec, "weight_store": "", "clickhouse_url": "",
+        # --engine vllm: one replica the supervisor starts and supervises, on a port of the bench's own.
+        "engine": config.engine, "vllm_urls": "", "vllm_replicas": 1, "vllm_port": free_port(),
+        "vllm_dtype": config.vllm_dtype,
         "trainer_device": "cpu", "trainer_batch_size": config.batch_size,
         "trainer_micro_batch": min(8, config.batch_size),
         "trainer_batch_wait_s": config.batch_wait_s, "trainer_save_every": config.save_every, "trainer_lr": config.lr,
@@ -598,6 +611,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
         "online": online, "simulation": {k: sim_summary[k] for k in (
             "requests", "completed", "abandoned", "errors", "shown", "accepted", "feedback_sent", "feedback_errors",
             "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms")},
+        "engine": config.engine, "vllm_dtype": config.vllm_dtype if config.engine == "vllm" else None,
         "trainer": {"batch_size": config.batch_size, "lr": config.lr, "lora_rank": config.lora_rank,
                     "exploration_temperature": config.exploration_temperature,
                     "max_staleness": config.max_staleness, "show_gate": settings.show_gate},
@@ -922,6 +936,11 @@ QUICK = {"minutes": 2.0, "users": 2, "heldout": 16, "batch_size": 8, "batch_wait
               show_default=True, help="Share of episodes held out of training for the gate.")
 @click.option("--gate-min-episodes", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers", show_default=True,
+              help="The front door's engine; vllm: a vLLM replica the bench's supervisor starts (`tabloop vllm "
+                   "install` first), every LoRA version hot-loaded into it.")
+@click.option("--vllm-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="--engine vllm: the replica's dtype (bfloat16: the train-inference gap the trainer reports).")
 @click.option("--quick", is_flag=True, help="A short smoke run (2 minutes, 2 users, 16 held-out tasks).")
 @click.option("--keep-state", is_flag=True, help="Keep the bench's state dir (Kafka data, weights, logs).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-loop", show_default=True,
@@ -930,7 +949,7 @@ QUICK = {"minutes": 2.0, "users": 2, "heldout": 16, "batch_size": 8, "batch_wait
 def bench_loop(ctx, minutes, users, model, heldout, draws, team, train_limit, rule, threshold, batch_size, lr,
                lora_rank, exploration_temperature, eval_temperature, threshold_tasks, max_evals, max_tokens,
                abandon_share, max_staleness, ignored_ttl, save_every, canary_share, canary_min_episodes, promote_gate,
-               gate_share, gate_min_episodes, seed, quick, keep_state, out_dir) -> None:
+               gate_share, gate_min_episodes, seed, engine, vllm_dtype, quick, keep_state, out_dir) -> None:
     """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
     split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
     defaults = {"minutes": 15.0, "users": 4, "heldout": None, "batch_size": 16, "batch_wait_s": 20.0,
@@ -952,7 +971,7 @@ def bench_loop(ctx, minutes, users, model, heldout, draws, team, train_limit, ru
                                  ignored_ttl_s=ignored_ttl or None, save_every=save_every,
                                  canary_share=canary_share, canary_min_episodes=canary_min_episodes,
                                  promote_gate=promote_gate, gate_share=gate_share,
-                                 gate_min_episodes=gate_min_episodes)
+                                 gate_min_episodes=gate_min_episodes, engine=engine, vllm_dtype=vllm_dtype)
         result = run_loop_bench(ctx.find_root().obj, config, Path(out_dir))
     except (ValueError, RuntimeError, KafkaLaunchError, ModelLoadError) as exc:
         raise TabloopError(str(exc)) from None

@@ -370,6 +370,20 @@ def test_bench_settings_turn_unanswered_completions_into_ignored_episodes(tmp_pa
         LoopBenchConfig(abandon_share=1.0)
 
 
+def test_bench_settings_with_the_vllm_engine_have_the_supervisor_start_a_replica_of_its_own(tmp_path):
+    from infra.vllm_env import manages_replicas
+    from tests.conftest import make_settings
+    from tabloop.loop_bench import LoopBenchConfig, bench_settings
+
+    base = make_settings(tmp_path).model_copy(update={"vllm_urls": "http://elsewhere:8000", "vllm_port": 8090})
+    on = bench_settings(base, LoopBenchConfig(engine="vllm", vllm_dtype="bfloat16"), tmp_path / "s", "m")
+    assert (on.engine, on.vllm_replicas, on.vllm_dtype) == ("vllm", 1, "bfloat16") and manages_replicas(on)
+    assert on.vllm_port not in (8090, on.completions_port, on.feedback_port)  # a port of the bench's own
+    assert bench_settings(base, LoopBenchConfig(), tmp_path / "s", "m").engine == "transformers"
+    with pytest.raises(ValueError, match="engine must be transformers or vllm"):
+        LoopBenchConfig(engine="tgi")
+
+
 def test_episode_outcomes_count_one_project_and_the_empty_ignored_ones():
     from tabloop.loop_bench import episode_outcomes
 
@@ -396,6 +410,7 @@ def test_trainer_figures_take_each_promoted_version_of_the_base_once():
     assert [f["version"] for f in figs] == [1, 2]
     assert figs[0]["policy_loss"] == 0.0 and figs[0]["accept_rate"] is None
     assert (figs[1]["reward_mean"], figs[1]["accept_rate"], figs[1]["policy_loss"]) == (-0.1, 0.1, 0.012346)
+    assert figs[1]["logprob_gap_mean"] is None  # a figure the version's metrics lack is None, not 0
 
 
 def test_ope_vs_canary_pairs_each_versions_estimate_with_its_canarys_measurement():
