@@ -141,8 +141,8 @@ class LoopBenchConfig(LoraTraining):
     users: int = 4
     model: str = "demo"
     engine: str = "transformers"
-    """The front door's engine: transformers (in the door) or vllm (a managed vLLM replica the supervisor
-    installs nothing for: ``tabloop vllm install`` first; LoRA versions hot-load into it)."""
+    """The front door's engine: transformers (in the door) or vllm (a vLLM replica the bench's supervisor starts
+    from the environment ``tabloop vllm install`` made; every LoRA version hot-loads into it)."""
     vllm_dtype: str = "float32"
     """``--engine vllm``: the replica's dtype (``TABLOOP_VLLM_DTYPE``); bfloat16 to see the train–inference gap."""
     heldout: int | None = None
