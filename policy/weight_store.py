@@ -122,16 +122,19 @@ class WeightStore:
 
     # -- reading ----------------------------------------------------------------
 
-    def versions(self) -> list[int]:
-        """Complete versions (those with a manifest), oldest first."""
+    def _directory_numbers(self) -> list[int]:
+        """The numbers of every version directory, complete or not, oldest first."""
         if not self.fs.exists(self.dir):
             return []
-        found = []
-        for entry in self.fs.ls(self.dir, detail=False):
-            m = _VERSION_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
-            if m and self.fs.exists(f"{entry.rstrip('/')}/{MANIFEST}"):
-                found.append(int(m.group(1)))
-        return sorted(found)
+        return sorted(int(m.group(1)) for e in self.fs.ls(self.dir, detail=False)
+                      if (m := _VERSION_DIR.match(e.rstrip("/").rsplit("/", 1)[-1])))
+
+    def _complete(self, version: int) -> bool:
+        return self.fs.exists(f"{self.version_dir(version)}/{MANIFEST}")
+
+    def versions(self) -> list[int]:
+        """Complete versions (those with a manifest), oldest first."""
+        return [v for v in self._directory_numbers() if self._complete(v)]
 
     def manifest(self, version: int) -> Manifest:
         path = f"{self.version_dir(version)}/{MANIFEST}"
@@ -155,8 +158,9 @@ class WeightStore:
     def next_version(self) -> int:
         """One more than the newest complete version. A half-written directory after it (a crash while saving:
         no manifest, so nothing announced or served it) gets its number used again, and ``save`` clears it
-        first: the versions announced stay one unbroken sequence."""
-        return max(self.versions(), default=0) + 1
+        first: the versions announced stay one unbroken sequence. Only the directories after the newest complete
+        one are looked into (one manifest check each, not one per version: a remote store pays per request)."""
+        return next((v for v in reversed(self._directory_numbers()) if self._complete(v)), 0) + 1
 
     # -- writing ----------------------------------------------------------------
 
