@@ -101,6 +101,12 @@ class Settings(BaseModel):
                                        "exploration sample (exploration_share of the requests with no temperature "
                                        "or one below min_temperature) is drawn at; the show-gate's figures are "
                                        "logprobs at this temperature")
+    candidate_samples: int = Field(0, ge=0, le=8, description="samples drawn at default_temperature beside the "
+                                   "greedy completion of every request served greedily (the coin said exploit) "
+                                   "that has a suffix; the user is shown the candidate the model finds likeliest "
+                                   "once it has read the suffix after it too (policy/value_model.py's "
+                                   "posterior_choice). 0: greedy is shown as generated. Costs the samples and "
+                                   "one reading pass per request, and the first token waits for all of them")
     min_temperature: float = Field(0.1, ge=0, le=2, description="client temperatures below this (near-greedy) are "
                                    "treated as none sent: greedy, or an exploration sample; at or above it the "
                                    "client's temperature is served as asked")

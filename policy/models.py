@@ -349,7 +349,7 @@ class CachedDecoder:
     @property
     def resizable(self) -> bool:
         """Whether rows can join (``merge``) and leave (``keep``) this batch."""
-        return _plain_cache(self._cache)
+        return plain_cache(self._cache)
 
     def can_merge(self, other: "CachedDecoder") -> bool:
         """Whether ``merge`` can take ``other``'s rows: the same model, both caches plain growing key/value
@@ -407,7 +407,7 @@ class CachedDecoder:
                 layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
 
 
-def _plain_cache(cache) -> bool:
+def plain_cache(cache) -> bool:
     """A transformers DynamicCache whose every layer is a plain growing (batch, heads, length, dim) pair."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -428,6 +428,44 @@ def cache_of(output):
     """The KV cache a forward pass returned, under either name (None if the model keeps none)."""
     cache = getattr(output, "cache", None)
     return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+@torch.inference_mode()
+def read_continuations(model, adapter: str | None, prompt: list[int], conts: list[list[int]], pad_id: int
+                       ) -> list[list[float]]:
+    """Log-probabilities at temperature 1 of each continuation's tokens after ``prompt`` (one row each, ``adapter``
+    the peft adapter every row runs under, None for a plain model): the prompt once, its key/value cache copied to
+    every row, the rows right-padded. The front door's candidate chooser reads with this (on the serving
+    engine's thread) and so does the loop bench's held-out mirror of it: one computation for both."""
+    n, width = len(conts), max(len(c) for c in conts)
+    device = next(model.parameters()).device
+
+    def adapter_argument(rows: int) -> dict:
+        return {"adapter_names": [adapter] * rows} if adapter is not None else {}
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1,
+                **adapter_argument(1))
+    cache = cache_of(out)
+    first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)  # predicts every continuation's first token
+    padded = [c + [pad_id] * (width - len(c)) for c in conts]
+    if width == 1:
+        return [[float(first[c[0]])] if c else [] for c in conts]
+    if not plain_cache(cache):  # a cache rows can't be copied in: each row runs the prompt too
+        ids = torch.tensor([prompt + c for c in padded], device=device)
+        mask = torch.tensor([[1] * (len(prompt) + len(c)) + [0] * (width - len(c)) for c in conts], device=device)
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=width,
+                       **adapter_argument(n)).logits[:, :width - 1]
+    else:
+        cache.batch_repeat_interleave(n)
+        ids = torch.tensor([c[:-1] for c in padded], device=device)  # the last token predicts nothing asked
+        mask = torch.tensor([[1] * (len(prompt) + len(c)) + [0] * (width - len(c)) for c in conts],
+                            device=device)[:, :-1]
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_argument(type(inner)): cache},
+                       **adapter_argument(n)).logits
+    targets = torch.tensor([c[1:] for c in padded], device=device)
+    rest = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, :, None]).squeeze(-1)
+    return [[float(first[c[0]])] + rest[i, :len(c) - 1].tolist() if c else [] for i, c in enumerate(conts)]
 
 
 # -- loading -----------------------------------------------------------------

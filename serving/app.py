@@ -59,6 +59,9 @@ class FrontDoor:
         if settings.auth == "open" and settings.serve_host not in LOOPBACK:
             raise ValueError(f"TABLOOP_AUTH=open serves without keys: only on a loopback address, "
                              f"not TABLOOP_SERVE_HOST={settings.serve_host}")
+        if settings.candidate_samples and not engine.reads_candidates:
+            raise ValueError(f"TABLOOP_CANDIDATE_SAMPLES={settings.candidate_samples} needs an engine that reads "
+                             f"candidates (transformers); the {engine.name} engine does not: set it to 0")
         self.settings = settings
         self.engine = engine
         self.publisher = publisher

@@ -1,7 +1,9 @@
 """/v1/completions: the OpenAI legacy completions API, as Continue speaks it.
 
 A request becomes a ``CompletionRun``: it tokenizes and trims the prompt, asks
-the engine for tokens, cuts the text at stop strings (holding back what might
+the engine for tokens (with ``TABLOOP_CANDIDATE_SAMPLES``, for a few candidates
+first, and takes the one the model finds likeliest with the suffix read after
+it), cuts the text at stop strings (holding back what might
 be the start of one, so a stop word never leaks into a chunk), and when it
 ends — finished, cut, or abandoned by the client — hands one CompletionServed
 event to the publisher. Bookkeeping never waits on Kafka.
@@ -9,6 +11,7 @@ event to the publisher. Bookkeeping never waits on Kafka.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
@@ -33,7 +36,8 @@ from policy.fim import (
 )
 from policy.exploration import Sampling, choose_sampling, served_temperature
 from policy.show_gate import Gate, line_features
-from policy.shown import first_line, kept_token_count
+from policy.shown import first_line, kept_token_count, shown_line, single_line_mode
+from policy.value_model import candidate_continuations, posterior_pick
 from serving.http import MAX_NAME_CHARS, HTTPProblem, field as body_field
 
 MAX_STOP_WORDS = 32
@@ -206,6 +210,10 @@ class CompletionRun:
     gate_logprobs: list[float] = field(default_factory=list)
     """The generated tokens' logprobs at the exploration temperature, the show-gate's confidence figures
     (one per token, like ``logprobs``; the behaviour logprob where the engine reported none)."""
+    candidates: int = 1
+    """How many candidates the shown completion was chosen among (1: served as generated)."""
+    chosen_candidate: int = 0
+    """Which of them: 0 the greedy one, i ≥ 1 the i-th sample (``choose_candidate``)."""
     _generated_chars: int = 0
     _prompt_ids_sent: bool = False
 
@@ -243,6 +251,71 @@ class CompletionRun:
                                             gate_temperature=gate_temperature if wants_gate_figures else None)
         return self.generation
 
+    def chooses(self) -> bool:
+        """Whether this request is served by the candidate chooser: it is on, the coin said exploit (the user
+        gets the policy's best guess, which the chooser makes better) and there is a suffix to read."""
+        sampling = self.sampling
+        return (self.settings.candidate_samples > 0 and sampling.exploration_share is not None
+                and not sampling.explored and bool(parse_prompt(self.params.model_prompt).suffix))
+
+    def _sample_request(self, generation: GenerationRequest, i: int) -> GenerationRequest:
+        """The i-th sampled candidate: at the exploration temperature, seeded from the request's seed or its
+        completion id (a replay draws the same candidates), by the same version as the greedy one."""
+        seed = ((self.params.seed + i) % 2 ** 63 if self.params.seed is not None else
+                int.from_bytes(hashlib.sha256(f"{self.completion_id}/{i}".encode()).digest()[:7], "big"))
+        return replace(generation, temperature=self.settings.default_temperature, seed=seed, gate_temperature=None)
+
+    async def _candidate_steps(self, request: GenerationRequest, single_line: bool) -> list[TokenStep]:
+        """One candidate in full: its steps up to its end, or up to the step that completes a stop string, or
+        in single-line mode the one that ends the first line (the editor shows nothing after it, and Continue
+        stops reading there: a plain request is not generated further either). A candidate cut short ends
+        with finish reason "stop"."""
+        steps, text = [], ""
+        async with aclosing(self.engine.stream(request)) as tokens:
+            async for step in tokens:
+                text += step.text
+                if not step.finish_reason and (earliest_stop(text, self.params.stop) >= 0
+                                               or (single_line and "\n" in text)):
+                    step = replace(step, finish_reason="stop")
+                steps.append(step)
+                if step.finish_reason:
+                    break
+        return steps
+
+    async def choose_candidate(self, generation: GenerationRequest) -> list[TokenStep]:
+        """Greedy and ``TABLOOP_CANDIDATE_SAMPLES`` samples, drawn together (one version: one route seed), each
+        read by the model with the first tokens of the suffix after it; the steps of the one
+        ``posterior_choice`` picks (greedy on ties and when none shows anything). Records which."""
+        route_seed = int.from_bytes(hashlib.sha256(self.completion_id.encode()).digest()[:7], "big")
+        generation = replace(generation, route_seed=route_seed)
+        requests = [generation] + [self._sample_request(generation, i)
+                                   for i in range(1, self.settings.candidate_samples + 1)]
+        parsed = parse_prompt(self.params.model_prompt)
+        single_line = single_line_mode(parsed.prefix)
+        drawn = await asyncio.gather(*(self._candidate_steps(r, single_line) for r in requests))
+        texts = []
+        for steps in drawn:
+            text = "".join(s.text for s in steps)
+            cut = earliest_stop(text, self.params.stop)
+            texts.append(shown_line(text[:cut] if cut >= 0 else text, parsed.prefix) or None)
+        distinct, cand_ids, continuations = candidate_continuations(texts, parsed.suffix, self.engine.tokenizer)
+        version = drawn[0][0].policy_version if drawn[0] else None
+        logprobs = await self.engine.read_continuations(generation, continuations, version=version)
+        pick = posterior_pick(texts, distinct, cand_ids, logprobs)
+        self.candidates, self.chosen_candidate = len(requests), pick
+        if pick:  # a sample is served: recorded as drawn at the exploration temperature, not explored
+            self.sampling = replace(self.sampling, temperature=requests[pick].temperature)
+            self.params = replace(self.params, temperature=requests[pick].temperature)
+        return drawn[pick]
+
+    async def _chosen_stream(self, generation: GenerationRequest) -> AsyncIterator[TokenStep]:
+        for step in await self.choose_candidate(generation):
+            yield step
+
+    def _token_stream(self) -> AsyncIterator[TokenStep]:
+        generation = self.generation or self.prepare()
+        return self._chosen_stream(generation) if self.chooses() else self.engine.stream(generation)
+
     @property
     def deciding_gate(self) -> Gate | None:
         """The gate that decided this completion: None without one, or when its first line was empty."""
@@ -274,7 +347,7 @@ class CompletionRun:
         held, held_steps = "", []  # the text generated before the gate decides: not sent yet
         deciding = self.gate is not None
         try:
-            async with aclosing(self.engine.stream(self.generation or self.prepare())) as tokens:
+            async with aclosing(self._token_stream()) as tokens:
                 async for step in tokens:
                     if not self.ttft_ms:
                         self.ttft_ms = (time.perf_counter() - self.started) * 1000
@@ -402,6 +475,7 @@ class CompletionRun:
             temperature=self.params.temperature, top_p=self.params.top_p, max_tokens=self.params.max_tokens,
             requested_temperature=self.params.requested_temperature,
             explored=sampling.explored, exploration_share=sampling.exploration_share,
+            candidates=self.candidates, chosen_candidate=self.chosen_candidate,
             completion_gate_logprobs=gate_logprobs if gate_logprobs != self.logprobs[:kept] else [],
             ttft_ms=self.ttft_ms, latency_ms=self.latency_ms, replica_id=self.replica_id,
             gate_version=gate.version if gate is not None else None, gate_score=self.gate_score,

@@ -40,9 +40,10 @@ from rewards.spec import RewardSpecs, acceptance_reward, composite_reward
 
 GATE_FIELDS = ("gate_version", "gate_score", "gate_threshold", "gate_shown", "show_probability")
 """What the show-gate decided about a completion, carried from CompletionServed to its Episode."""
-EXPLORATION_FIELDS = ("explored", "exploration_share")
-"""What the exploration coin decided (``policy.exploration``), carried from CompletionServed to its Episode: the
-trainer, off-policy evaluation and the show-gate's learner tell explored samples from greedy point masses."""
+EXPLORATION_FIELDS = ("explored", "exploration_share", "candidates", "chosen_candidate")
+"""What the exploration coin decided (``policy.exploration``) and which candidate the chooser served
+(``serving.completions``), carried from CompletionServed to its Episode: the trainer, off-policy evaluation and
+the show-gate's learner tell explored samples from greedy point masses and from chosen candidates."""
 EPISODE_NAMESPACE = uuid.UUID("6f1c2a9e-5b7d-4d8e-9c3a-2b1f0e4d7a6c")
 
 

@@ -20,7 +20,7 @@ from infra.bus import EventProducer, admin_client, ensure_topics
 from policy.exploration import GREEDY, Sampling, choose_sampling, explores, served_temperature, subject_to_coin
 from schemas.topics import COMPLETIONS, FEEDBACK
 from tests.conftest import make_settings
-from tests.serving_helpers import ThreadServer, find_events
+from tests.serving_helpers import find_events, start_door
 
 PROMPT = "def total(values):\n    result = 0\n    for v in values:\n"
 
@@ -125,15 +125,6 @@ def test_the_show_gate_reads_a_greedy_episodes_logprobs_at_the_exploration_tempe
 
 
 # -- the real front door, the join and the trainer ------------------------------------------------------------
-
-
-def start_door(kafka, tiny_model, tmp_path, **settings_overrides):
-    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, model=tiny_model,
-                             completions_port=0, feedback_port=0, auth="open", **settings_overrides)
-    ensure_topics(settings)
-    server = ThreadServer(settings)
-    server.settings = settings
-    return server
 
 
 def ask(server, temperature=None, *, http: bool = True) -> str:

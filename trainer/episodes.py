@@ -45,6 +45,12 @@ def drop_reason(episode: dict, current_version: int, max_staleness: int, serving
     samples it centres), and only counted; the show-gate's learner does learn from them (trainer/show_gate_learner.py):
     its decision, show or not, was drawn with a recorded probability whichever branch served the text.
 
+    "chosen": a sample the front door's chooser picked among greedy and others (``chosen_candidate`` ≥ 1,
+    ``TABLOOP_CANDIDATE_SAMPLES``). Its behaviour logprobs are those it was drawn with, but it was served
+    because it won the choice, with a probability nobody recorded (that of being drawn *and* read as the
+    likeliest): weighed by them, the ratio would treat a selected sample as an unselected one. Left out like
+    greedy, and counted.
+
     "gate_hidden": the show-gate hid the completion (``gate_shown`` false). The model did not choose to show
     nothing, the gate did, over a line the user never saw: trained as an abstention it would teach the model
     to end its completions where the gate, not the user, said no (the gate learns from these in
@@ -57,6 +63,8 @@ def drop_reason(episode: dict, current_version: int, max_staleness: int, serving
         return "gate_hidden"
     if not episode["completion_token_ids"] and not episode.get("completion_text"):
         return "empty"
+    if episode.get("chosen_candidate"):
+        return "chosen"
     if episode["completion_token_ids"] and episode_sampler(episode)[0] <= GREEDY_TEMPERATURE:
         return "greedy"
     behaviour = episode["policy_version"]

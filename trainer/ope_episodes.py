@@ -64,6 +64,9 @@ def select_episodes(episodes: Iterable[dict], tokenizer, *, project: str | None 
             # (at their temperature and top-p), compared with the logged figures of those same episodes.
             out.skip("greedy")
             continue
+        if ep.get("chosen_candidate"):  # picked among candidates after they were drawn: no recorded probability
+            out.skip("chosen")
+            continue
         picked.append(ep)
     if limit is not None and len(picked) > limit:
         out.skip("older than the newest --limit", len(picked) - limit)

@@ -21,6 +21,9 @@ class GenerationRequest:
     gate_temperature: float | None = None
     """Also report each token's logprob at this temperature (and ``top_p``): the show-gate's confidence
     figures, when the request is drawn at another temperature (greedy's behaviour logprobs are all 0)."""
+    route_seed: int | None = None
+    """Requests with the same route seed take the same side of a canary's coin: the candidates of one request
+    (``TABLOOP_CANDIDATE_SAMPLES``) are drawn by one version, so they compare. None: a coin of its own."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,16 @@ class Engine(ABC):
     async def drop_candidate(self, *, project: str = "") -> None:
         """Stop serving the project's candidate."""
         raise NotImplementedError(f"the {self.name} engine does not serve canaries")
+
+    reads_candidates: bool = False
+    """The engine implements ``read_continuations`` (the front door's candidate chooser needs it)."""
+
+    async def read_continuations(self, request: GenerationRequest, continuations: list[list[int]], *,
+                                 version: int | None = None) -> list[list[float]]:
+        """Teacher-forced: the log-probability at temperature 1 (the model's own distribution) of each token of
+        each continuation after ``request.prompt_ids``, under the policy that serves ``request.project_id``
+        — version ``version`` where that route still holds it (the version that drew the candidates)."""
+        raise NotImplementedError(f"the {self.name} engine does not read candidates")
 
     def ready(self) -> bool:
         return True

@@ -44,7 +44,7 @@ from typing import AsyncIterator
 import torch
 from transformers.utils import logging as hf_logging
 
-from policy.models import CachedDecoder, load_model, lora_target_modules, use_torch_threads
+from policy.models import CachedDecoder, load_model, lora_target_modules, read_continuations, use_torch_threads
 from policy.named_models import resolve_model_spec
 from policy.sampling import GREEDY_TEMPERATURE, sampling_log_probs
 from serving.engines.base import Engine, GenerationRequest, TokenStep
@@ -105,6 +105,25 @@ class _Slot:
 
 
 @dataclass(eq=False)
+class _ReadJob:
+    """A request's candidates to read (``read_continuations``), done by the generation thread between steps."""
+    request: GenerationRequest
+    continuations: list[list[int]]
+    version: int | None
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+    def answer(self, result) -> None:
+        def settle():
+            if not self.done.done():
+                (self.done.set_exception if isinstance(result, BaseException) else self.done.set_result)(result)
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody is waiting
+            pass
+
+
+@dataclass(eq=False)
 class _Batch:
     """Rows decoded together by one model (of one version, or of several adapters of the peft model): a
     KV-cached decoder and the requests of its rows."""
@@ -114,8 +133,18 @@ class _Batch:
     @classmethod
     def start(cls, model: torch.nn.Module, slots: list[_Slot], pad_id: int) -> "_Batch":
         adapters = [s.policy.adapter for s in slots] if slots[0].policy.adapter is not None else None
-        decoder = CachedDecoder.for_prompts(model, [s.request.prompt_ids for s in slots], pad_id=pad_id,
-                                            adapters=adapters)
+        rows = [(tuple(s.request.prompt_ids), adapters[i] if adapters else None) for i, s in enumerate(slots)]
+        unique = list(dict.fromkeys(rows))
+        # Rows with the same prompt (and adapter) share one prefill, copied: a request's candidates
+        # (TABLOOP_CANDIDATE_SAMPLES) pay for their prompt once, not once each.
+        decoder = CachedDecoder.for_prompts(model, [list(p) for p, _ in unique], pad_id=pad_id,
+                                            adapters=[a for _, a in unique] if adapters else None)
+        if len(unique) < len(rows):
+            if decoder.resizable:
+                decoder.keep([unique.index(r) for r in rows])
+            else:  # a cache rows can't be copied in: every row its own prefill
+                decoder = CachedDecoder.for_prompts(model, [s.request.prompt_ids for s in slots], pad_id=pad_id,
+                                                    adapters=adapters)
         for slot in slots:
             if slot.request.seed is not None:
                 slot.generator = torch.Generator(device=decoder.device)
@@ -215,6 +244,17 @@ class TransformersEngine(Engine):
         finally:
             slot.cancelled = True  # the generation thread drops the row at its next step
 
+    reads_candidates = True
+
+    async def read_continuations(self, request: GenerationRequest, continuations: list[list[int]], *,
+                                 version: int | None = None) -> list[list[float]]:
+        if self._failed is not None:
+            raise self._failed
+        loop = asyncio.get_running_loop()
+        job = _ReadJob(request, [list(c) for c in continuations], version, loop, loop.create_future())
+        self._pending.put(job)
+        return await job.done
+
     async def load_version(self, version: int, uri: str, kind: str, *, project: str = "") -> None:
         policy = await asyncio.to_thread(self._build_version, version, uri, kind, project)
         await self._stage(("promoted", project, policy))
@@ -287,9 +327,13 @@ class TransformersEngine(Engine):
             log.exception("the generation thread failed")
             self._failed = RuntimeError(f"the generation thread failed: {exc!r}")
             slots = [s for b in running for s in b.slots if not s.finished] + waiting
-            slots += [s for s in self._drain_pending() if isinstance(s, _Slot)]
+            pending = self._drain_pending()
+            slots += [s for s in pending if isinstance(s, _Slot)]
             for slot in slots:
                 slot.emit(self._failed)
+            for job in pending:
+                if isinstance(job, _ReadJob):
+                    job.answer(self._failed)
             raise
 
     def _serve(self, running: list[_Batch], waiting: list[_Slot]) -> None:
@@ -301,6 +345,8 @@ class TransformersEngine(Engine):
                     for slot in self._drain_pending():  # came in after the last check
                         if isinstance(slot, _Slot):
                             slot.emit(self._failed)
+                        elif isinstance(slot, _ReadJob):
+                            slot.answer(self._failed)
                     return
                 arrived = self._wait_for_requests()
             else:  # decoding: take whatever came during the last step, without waiting
@@ -314,6 +360,11 @@ class TransformersEngine(Engine):
                 self._collect_adapters(running)
             waiting += [s for s in arrived if isinstance(s, _Slot)]
             waiting = [s for s in waiting if not s.cancelled]
+            for job in (a for a in arrived if isinstance(a, _ReadJob)):
+                if closing:
+                    job.answer(RuntimeError("the engine is shutting down"))
+                else:
+                    self._read(job)
             if closing:
                 for slot in waiting:
                     slot.emit(RuntimeError("the engine is shutting down"))
@@ -474,9 +525,34 @@ class TransformersEngine(Engine):
             route = self._routes[""]
         elif request.project_id:
             self._last_used[request.project_id] = now
-        if route.candidate is not None and self._route.random() < route.share:
+        coin = self._route.random() if request.route_seed is None else random.Random(request.route_seed).random()
+        if route.candidate is not None and coin < route.share:
             return route.candidate
         return route.promoted if route.promoted is not None else self._routes[""].promoted
+
+    def _reading_policy(self, job: _ReadJob) -> _Policy:
+        """The policy that serves the job's project, of the version asked for where its route holds it."""
+        route = self._routes.get(job.request.project_id) or self._routes[""]
+        shared = self._routes[""].promoted
+        held = [*route.policies(), shared]
+        return next((p for p in held if p.version == job.version), route.promoted or shared)
+
+    @torch.inference_mode()
+    def _read(self, job: _ReadJob) -> None:
+        """The prompt once, its key/value cache copied to every continuation, then the continuations together,
+        right-padded (causal attention: the padding after a row changes nothing before it); the vocabulary
+        projection only where a continuation token is predicted."""
+        try:
+            policy = self._reading_policy(job)
+            prompt, conts = list(job.request.prompt_ids), job.continuations
+            width = max((len(c) for c in conts), default=0)
+            if width == 0 or not prompt:
+                job.answer([[] for _ in conts])
+                return
+            job.answer(read_continuations(policy.model, policy.adapter, prompt, conts, self.pad_id))
+        except Exception as exc:  # a failed read fails its request, not the engine
+            log.exception("reading candidates failed")
+            job.answer(RuntimeError(f"reading candidates failed: {exc}"))
 
     @torch.inference_mode()
     def _admit(self, slots: list[_Slot], running: list[_Batch]) -> None:
