@@ -8,7 +8,11 @@ other load falls on every side alike:
 
 - TTFT (the first chunk with text) and whole-answer latency, ms, p50/p95/p99 over the rounds;
 - throughput: the answers' generated tokens over the round's wall time, tokens/s, per round;
-- what the door costs against vLLM itself: its throughput as a fraction of vLLM's, its TTFT p50 minus vLLM's.
+- what the door costs against vLLM itself: its throughput as a fraction of vLLM's, its TTFT p50 minus vLLM's;
+- **paired TTFT** (``paired``): one client, each prompt sent to vLLM and to the door back to back, which goes
+  first alternating, so the machine's load at that moment falls on both; the door's TTFT minus vLLM's per pair,
+  its mean with a 90 % interval and its median (``paired_difference``). The p50s above come from different
+  requests at different moments, and their difference swung wider than the 5 ms the door may cost.
 
 The replica is started here from the vLLM environment (`tabloop vllm install`) on ``TABLOOP_MODEL``, unless
 ``vllm_url`` names one already running on that model.
@@ -35,8 +39,12 @@ from infra.vllm_env import VLLMReplica
 from policy.fim import prompt_token_ids
 from policy.named_models import resolve_model_spec
 from tabloop.bench import _emit, _percentiles, scratch_dir, serving_prompts, wait_ready
+from trainer.proof.served import mean_interval
 
 SERVED_NAME = "tabloop-bench"
+PAIRED_MAX_TOKENS = 4
+"""The paired TTFT's answers are short: the first token is what is timed, and the two requests of a pair then
+run seconds apart at most, under the same load."""
 
 
 async def stream_one(http: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, int]:
@@ -109,7 +117,7 @@ def bench_serving_vllm(settings: Settings, *, clients: int = 8, requests_per_cli
     out = {"bench": "serving", "engine_kind": "vllm", "model": model_dir, "clients": clients,
            "requests_per_client": requests_per_client, "max_tokens": max_tokens, "rounds": rounds,
            "vllm_ready_s": round(ready_s, 1), **result}
-    for level in result:
+    for level in [lv for lv in result if lv != "paired_ttft_one_client"]:
         sides = out[level]
         vllm_tps = statistics.median(sides["vllm"]["tokens_per_s"])
         for side in doors:
@@ -120,7 +128,22 @@ def bench_serving_vllm(settings: Settings, *, clients: int = 8, requests_per_cli
         print(f"  {level}: vLLM {vllm_tps:.1f} tokens/s, TTFT p50 {sides['vllm']['ttft_ms']['p50']} ms; "
               + "; ".join(f"{side} {sides[side]['throughput_vs_vllm']}× its throughput, TTFT p50 "
                           f"{sides[side]['ttft_overhead_p50_ms']:+.2f} ms" for side in doors), file=sys.stderr)
+    for side, p in result["paired_ttft_one_client"].items():
+        print(f"  paired, one client: {side} TTFT minus vLLM's over {p['pairs']} prompts: mean {p['mean_ms']:+.2f} ms "
+              f"[{p['low_ms']:+.2f}, {p['high_ms']:+.2f}], median {p['median_ms']:+.2f} ms", file=sys.stderr)
     return _emit(out)
+
+
+def paired_difference(door_ms: list[float], vllm_ms: list[float]) -> dict:
+    """The door's TTFT minus vLLM's over pairs of the same prompt: the mean with its 90 % normal interval over
+    pairs, the median, and how many pairs the door was the slower of."""
+    if len(door_ms) != len(vllm_ms) or not door_ms:
+        raise ValueError(f"pairs need as many door as vLLM figures, and some: {len(door_ms)} and {len(vllm_ms)}")
+    diffs = [d - v for d, v in zip(door_ms, vllm_ms)]
+    mean = mean_interval(diffs)
+    return {"pairs": len(diffs), "mean_ms": round(mean["value"], 2), "low_ms": round(mean["low"], 2),
+            "high_ms": round(mean["high"], 2), "median_ms": round(statistics.median(diffs), 2),
+            "door_slower": sum(1 for d in diffs if d > 0)}
 
 
 async def _measure(vllm_url: str, served_name: str, doors: dict, clients: int, requests_per_client: int,
@@ -167,6 +190,17 @@ async def _measure(vllm_url: str, served_name: str, doors: dict, clients: int, r
                 for side in urls:
                     print(f"  round {r + 1}/{rounds}, {level}: {side} …", file=sys.stderr)
                     await one_round(side, concurrency, samples[level][side])
-    return {level: {side: {"ttft_ms": _percentiles(s["ttft"]), "latency_ms": _percentiles(s["latency"]),
-                           "tokens_per_s": s["tokens_per_s"]} for side, s in sides.items()}
-            for level, sides in samples.items()}
+        paired = {}
+        for side in doors:
+            print(f"  paired TTFT, one client: {side} and vLLM, {n} prompts …", file=sys.stderr)
+            door_ms, vllm_ms = [], []
+            for i in range(n):
+                order = ("vllm", side) if i % 2 == 0 else (side, "vllm")
+                for s in order:
+                    ttft = (await stream_one(http, urls[s], {**body(s, i), "max_tokens": PAIRED_MAX_TOKENS}))[0]
+                    (vllm_ms if s == "vllm" else door_ms).append(ttft)
+            paired[side] = paired_difference(door_ms, vllm_ms)
+    out = {level: {side: {"ttft_ms": _percentiles(s["ttft"]), "latency_ms": _percentiles(s["latency"]),
+                          "tokens_per_s": s["tokens_per_s"]} for side, s in sides.items()}
+           for level, sides in samples.items()}
+    return {**out, "paired_ttft_one_client": paired}

@@ -42,6 +42,20 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def start_door(kafka, model: str, tmp_path, **settings_overrides) -> ThreadServer:
+    """A front door in this process on the session's broker: open auth, free ports, ``model``; the settings on
+    ``.settings``."""
+    from infra.bus import ensure_topics
+    from tests.conftest import make_settings
+
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, model=model,
+                             completions_port=0, feedback_port=0, auth="open", **settings_overrides)
+    ensure_topics(settings)
+    server = ThreadServer(settings)
+    server.settings = settings
+    return server
+
+
 class ProcessServer:
     """`tabloop serve` as its own process, configured through TABLOOP_* variables like a user would."""
 

@@ -174,3 +174,17 @@ def test_the_pipeline_bench_refuses_more_workers_than_partitions(kafka, tiny_mod
     out = bench("pipeline", ["--events", "100", "--workers", "7"], kafka, tiny_model, tmp_path, topic_partitions=6)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "--workers 7: give 1 to the topics' 6 partitions" in out.stderr
+
+
+def test_the_paired_ttft_difference_by_hand():
+    """`bench serving --engine vllm`'s paired TTFT: the door's minus vLLM's per prompt, 3 pairs."""
+    from tabloop.bench_vllm import paired_difference
+    from trainer.proof.intervals import Z
+
+    got = paired_difference([12.0, 10.0, 20.0], [10.0, 11.0, 14.0])  # differences 2, -1, 6: mean 7/3
+    sd = ((2 - 7 / 3) ** 2 + (-1 - 7 / 3) ** 2 + (6 - 7 / 3) ** 2) ** 0.5 / 2 ** 0.5
+    assert got["pairs"] == 3 and got["mean_ms"] == round(7 / 3, 2) and got["median_ms"] == 2.0
+    assert got["low_ms"] == round(7 / 3 - Z * sd / 3 ** 0.5, 2) and got["high_ms"] == round(7 / 3 + Z * sd / 3 ** 0.5, 2)
+    assert got["door_slower"] == 2
+    with pytest.raises(ValueError, match="as many"):
+        paired_difference([1.0], [])

@@ -22,6 +22,8 @@ from tests.test_vllm_engine import _engine_scenario
 
 pytestmark = [pytest.mark.drill, pytest.mark.vllm, pytest.mark.timeout(900)]
 
+STARTED_HERE: dict = {}
+"""The replica this module started (none when TABLOOP_DRILL_VLLM_URL names one): the drill that kills it."""
 SERVED_NAME = "tabloop-drill"  # not the model's path: requests must ask the replica for its own name
 PROMPT = "def add(a, b):\n    return"
 
@@ -46,8 +48,10 @@ def vllm_url(tiny_model, tmp_path_factory):
         # The first request compiles and warms up (8–30 s here): out of the way of the tests' timings.
         httpx.post(f"{replica.url}/v1/completions", timeout=120,
                    json={"model": SERVED_NAME, "prompt": "x", "max_tokens": 2}).raise_for_status()
+        STARTED_HERE["replica"] = replica
         yield replica.url
     finally:
+        STARTED_HERE.pop("replica", None)
         replica.stop()
 
 
@@ -163,6 +167,52 @@ def test_a_lora_version_loads_serves_and_unloads_and_a_bad_path_changes_nothing(
     assert unloaded == [] and back == base
 
 
+def test_the_replica_reads_candidates_as_the_local_model_does(vllm_url, tiny_model, local_model, tmp_path):
+    """The candidate chooser's reading pass on vLLM (``prompt_logprobs``): each continuation's tokens'
+    log-probabilities at temperature 1 after the prompt, as the local float32 model gives them row by row."""
+    from tests.test_candidate_chooser import reference_logprobs
+
+    model, tokenizer = local_model
+    prompt = tokenizer(PROMPT)["input_ids"]
+    conts = [tokenizer.encode(" a + b", add_special_tokens=False), [],
+             tokenizer.encode(" a - b\n\nprint(add(1, 2))", add_special_tokens=False)]
+
+    async def scenario(engine):
+        return await engine.read_continuations(_request(prompt_ids=prompt), conts)
+
+    got = _engine_scenario(_settings(tmp_path, tiny_model, vllm_url), scenario)
+    assert [len(g) for g in got] == [len(c) for c in conts]
+    for g, c in zip(got, conts):
+        if c:
+            assert g == pytest.approx(reference_logprobs(model, prompt + c, len(prompt)), abs=1e-3)
+
+
+def test_the_door_over_vllm_chooses_among_candidates(vllm_url, kafka, tiny_model, tmp_path):
+    """TABLOOP_CANDIDATE_SAMPLES on the vllm engine: greedy and three samples drawn by the replica, read by it,
+    the likeliest with the suffix shown; the event says how many and which."""
+    from schemas.topics import COMPLETIONS
+    from tests.serving_helpers import find_events, start_door
+
+    server = start_door(kafka, tiny_model, tmp_path, engine="vllm", vllm_urls=vllm_url, candidate_samples=3,
+                        exploration_share=0.0)
+    try:
+        ids = []
+        for seed in range(4):
+            resp = httpx.post(f"{server.completions_url}/v1/completions", timeout=120,
+                              json={"prompt": "def add(a, b):\n    total = ", "suffix": "\n    return total\n",
+                                    "max_tokens": 8, "seed": seed})
+            assert resp.status_code == 200, resp.text
+            ids.append(resp.json()["id"])
+        events = find_events(server.settings, COMPLETIONS.name, lambda e: e.record["completion_id"] in ids, want=4)
+        records = [e.record for e in events]
+        assert len(records) == 4
+        for r in records:
+            assert r["candidates"] == 4 and 0 <= r["chosen_candidate"] <= 3
+            assert r["temperature"] == (0.7 if r["chosen_candidate"] else 0.0) and r["explored"] is False
+    finally:
+        server.stop()
+
+
 def test_continue_shaped_requests_through_the_front_door_to_vllm(vllm_url, kafka, tiny_model, tmp_path):
     import openai
 
@@ -225,6 +275,44 @@ def test_the_side_by_side_serving_bench_measures_vllm_and_the_door_over_it(vllm_
             assert 0 < side["ttft_ms"]["p50"] <= side["latency_ms"]["p99"], report
         door, own = report[level]["front_door"], report[level]["vllm"]
         assert door["throughput_vs_vllm"] == round(door["tokens_per_s"][0] / own["tokens_per_s"][0], 3)
+    paired = report["paired_ttft_one_client"]["front_door"]  # 2 prompts, each sent to both sides
+    assert paired["pairs"] == 2 and paired["low_ms"] <= paired["mean_ms"] <= paired["high_ms"]
+
+
+@pytest.mark.kafka
+def test_a_replica_killed_mid_stream_fails_its_request_cleanly_and_the_next_goes_to_the_healthy_one(
+        vllm_url, kafka, tiny_model, tmp_path):
+    """Two replicas: the real vLLM first, a `tabloop serve` of the same model second (anything that speaks the
+    API is a replica). The vLLM replica is SIGKILLed after the first tokens of a long answer: that request fails
+    with a clear error (its tokens went to the client: no other replica's are spliced on), and the next request
+    is answered by the healthy replica. Runs last of the drills on this module's replica: it kills it."""
+    import signal
+
+    from tests.serving_helpers import start_door
+
+    replica = STARTED_HERE.get("replica")
+    if replica is None:
+        pytest.skip("the replica was not started here (TABLOOP_DRILL_VLLM_URL): not killing someone else's")
+    healthy = start_door(kafka, tiny_model, tmp_path / "replica-2")
+    try:
+        settings = _settings(tmp_path, tiny_model, f"{vllm_url},{healthy.completions_url}")
+
+        async def scenario(engine):
+            got = []
+            with pytest.raises(RuntimeError, match="failed mid-completion"):
+                async for step in engine.stream(_request(max_new_tokens=400)):
+                    got.append(step)
+                    if len(got) == 3:
+                        os.killpg(replica.proc.pid, signal.SIGKILL)
+            after = [s async for s in engine.stream(_request(max_new_tokens=4, seed=1))]
+            return got, after
+
+        got, after = _engine_scenario(settings, scenario)
+    finally:
+        healthy.stop()
+    assert len(got) >= 3 and replica.proc.wait(30) == -signal.SIGKILL
+    tokens = [s for s in after if s.token_id >= 0]  # a replica may end with a text-only step
+    assert 1 <= len(tokens) <= 4 and after[-1].finish_reason in ("stop", "length")
 
 
 @pytest.mark.kafka

@@ -169,6 +169,72 @@ class VLLMEngine(Engine):
                     raise RuntimeError(f"replica {url} failed mid-completion: {exc}") from exc
         raise RuntimeError(f"no vLLM replica answered: {last_error}")
 
+    reads_candidates = True
+
+    async def read_continuations(self, request: GenerationRequest, continuations: list[list[int]], *,
+                                 version: int | None = None) -> list[list[float]]:
+        """vLLM's ``prompt_logprobs``: each continuation sent as token ids after the request's prompt ids, one
+        token generated (nothing is read of it), the prompt's own log-probabilities returned (``prompt_logprobs:
+        0``: the actual token's only), at temperature 1 and top-p 1 (so the replica's ``--logprobs-mode`` makes no
+        difference), under the adapter the request's project is served (this engine holds one version a project,
+        so ``version`` is that one)."""
+        adapter, _ = self._served.get(request.project_id) or self._served[""]
+        prompt = list(request.prompt_ids)
+        if not prompt:
+            raise ValueError("reading candidates needs the request's prompt ids")
+
+        async def one(cont: list[int]) -> list[float]:
+            if not cont:
+                return []
+            body = {"prompt": prompt + list(cont), "max_tokens": 1, "temperature": 1.0, "top_p": 1.0,
+                    "prompt_logprobs": 0}
+            answer = await self._complete(body, adapter)
+            try:
+                entries = answer["choices"][0]["prompt_logprobs"][len(prompt):]
+                return [float(entry[str(token)]["logprob"]) for entry, token in zip(entries, cont, strict=True)]
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise RuntimeError("the replica did not return the prompt's log-probabilities (prompt_logprobs: "
+                                   f"a vLLM server does): {str(answer)[:300]}") from exc
+
+        if adapter is not None:  # an unload of it waits for these reads, as for a stream
+            self._in_use[adapter] = self._in_use.get(adapter, 0) + 1
+        try:
+            return list(await asyncio.gather(*(one(c) for c in continuations)))
+        finally:
+            if adapter is not None:
+                self._in_use[adapter] -= 1
+                if not self._in_use[adapter]:
+                    del self._in_use[adapter]
+                    if adapter not in self._wanted():
+                        self._spawn(self._unload_unserved())
+
+    async def _complete(self, body: dict, adapter: str | None) -> dict:
+        """One non-streamed completion, on the first healthy replica that answers (the stream's failover and
+        its one retry after a 404 for a name the replica forgot)."""
+        last_error: Exception | None = None
+        for url in self._healthy_urls():
+            try:
+                for attempt in (1, 2):
+                    if url not in self._synced:
+                        await self._sync(url)
+                    resp = await self._http.post(f"{url}/v1/completions",
+                                                 json={**body, "model": adapter or self._base_names[url]})
+                    if resp.status_code == 404 and attempt == 1:
+                        self._synced.discard(url)
+                        continue
+                    if resp.status_code >= 500:
+                        raise httpx.HTTPStatusError(f"{resp.status_code}", request=resp.request, response=resp)
+                    if resp.status_code >= 400:
+                        raise RuntimeError(f"replica {url} refused the request ({resp.status_code}): "
+                                           f"{resp.text[:500]}")
+                    return resp.json()
+            except (httpx.TransportError, httpx.HTTPStatusError, ReplicaOutOfStep) as exc:
+                last_error = exc
+                self._down_until[url] = time.monotonic() + UNHEALTHY_FOR_S
+                self._synced.discard(url)
+                log.warning("replica %s failed: %s", url, exc)
+        raise RuntimeError(f"no vLLM replica answered: {last_error}")
+
     async def load_version(self, version: int, uri: str, kind: str, *, project: str = "") -> None:
         """Serve ``version`` to the project's requests (""; every project without its own): the replicas load
         a LoRA version by adapter name, once, and each request names the adapter of its project. The adapter
