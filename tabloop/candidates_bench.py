@@ -173,7 +173,9 @@ def sample_candidates(settings, model, tokenizer, tasks: Sequence, *, samples: i
 
 
 def read_candidates(settings, model, tokenizer, tasks: Sequence, texts: Sequence[Sequence[str | None]], say) -> list:
-    """Each task's candidates read by ``score_candidates`` (distinct texts once; nothing shown reads as "")."""
+    """Each task's candidates read by ``score_candidates`` (distinct texts once; nothing shown reads as ""), the
+    prompt rendered and trimmed as the front door does; ``say``: progress every 30 s. The bench's reading,
+    with the hidden states its learned heads read; the door reads with ``policy.models.read_continuations``."""
     fmt = prompt_format(tokenizer)
     budget = min(settings.max_prompt_tokens,
                  getattr(tokenizer, "model_max_length", settings.max_prompt_tokens) or settings.max_prompt_tokens)
@@ -185,7 +187,7 @@ def read_candidates(settings, model, tokenizer, tasks: Sequence, texts: Sequence
         out.append([reads[t or ""] for t in cands])
         if time.monotonic() - shown_at >= 30 or n == len(tasks):
             shown_at = time.monotonic()
-            say(f"bench candidates: read {n}/{len(tasks)} tasks' candidates")
+            say(f"read {n}/{len(tasks)} tasks' candidates")
     return out
 
 

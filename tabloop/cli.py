@@ -76,6 +76,7 @@ history      streams.history.cli:bench_history             Rows/s stored by the 
 trainer      trainer.cli:bench_trainer                     Policy updates per second and tokens/s on synthetic episodes
 loop         tabloop.loop_bench:bench_loop                 The whole system (Kafka, front door, streams, trainer,
 candidates   tabloop.candidates_bench:bench_candidates     Choosing among greedy and sampled candidates
+loop-seeds   tabloop.loop_bench:bench_loop_seeds           Several seeds of `bench loop` (their --out directories)
 """)
 """`tabloop bench …`."""
 

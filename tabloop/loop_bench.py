@@ -92,10 +92,13 @@ from infra.bus import ensure_topics, read_topic
 from infra.errors import TabloopError
 from infra.files import log_tail
 from infra.kafka_broker import KafkaLaunchError, LocalKafka, free_port
-from policy.models import ModelLoadError
+from policy.fim import prompt_format, prompt_token_ids
+from policy.models import ModelLoadError, read_continuations
 from policy.named_models import NAMED_MODELS
 from policy.sampling import GREEDY_TEMPERATURE
 from policy.show_gate import Gate
+from policy.shown import shown_text, single_line_mode
+from policy.value_model import candidate_continuations, posterior_pick
 from policy.weight_store import read_weight_records
 from rewards.spec import RewardSpecs, acceptance_reward
 from schemas.topics import EPISODES, GATES
@@ -105,6 +108,7 @@ from tabloop.bench import stop_cleanly_on_sigterm
 from trainer.build_models import build_named_model
 from trainer.proof.evaluate import load_policy, sample_draws
 from trainer.proof.intervals import INTERVALS_NOTE, LEVEL
+from trainer.proof.seeds import compare_seeds, read_runs, seeds_table
 from trainer.proof.served import (ConfidenceThreshold, choose_confidence_threshold, figures, paired_figures,
                                   relative_change, served_rows)
 from trainer.proof.simulate import SimConfig, Simulation, UserModel, decision_rows, outcome_of, records_jsonl
@@ -145,6 +149,9 @@ class LoopBenchConfig(LoraTraining):
     from the environment ``tabloop vllm install`` made; every LoRA version hot-loads into it)."""
     vllm_dtype: str = "float32"
     """``--engine vllm``: the replica's dtype (``TABLOOP_VLLM_DTYPE``); bfloat16 to see the train–inference gap."""
+    candidate_samples: int = 0
+    """``TABLOOP_CANDIDATE_SAMPLES``: the door shows the likeliest of greedy and this many samples once the suffix
+    is read after each (``serving.completions``); the held-out evaluation mirrors it (``chosen_draws``)."""
     heldout: int | None = None
     """Held-out tasks evaluated at every version (None: all of the split)."""
     draws: int = 2
@@ -213,6 +220,8 @@ class LoopBenchConfig(LoraTraining):
             raise ValueError("canary_share must be in [0, 1) and gate_share in (0, 1)")
         if self.save_every < 1 or self.canary_min_episodes < 1 or self.gate_min_episodes < 1:
             raise ValueError("save_every, canary_min_episodes and gate_min_episodes must be at least 1")
+        if not 0 <= self.candidate_samples <= 8:
+            raise ValueError(f"candidate_samples must be in 0..8, got {self.candidate_samples}")
         if self.engine not in ("transformers", "vllm"):
             raise ValueError(f"engine must be transformers or vllm, got {self.engine!r}")
         if self.rule not in ("exact", "similarity"):
@@ -484,6 +493,7 @@ def bench_settings(base, config: LoopBenchConfig, state_dir: Path, model_spec: s
         "promote_gate": config.promote_gate, "promote_gate_share": config.gate_share,
         "promote_gate_min_episodes": config.gate_min_episodes,
         "exploration_temperature": config.exploration_temperature,
+        "candidate_samples": config.candidate_samples,
         # With open auth every user shares one rate-limit bucket; a refused feedback would turn a decision
         # into an IGNORED episode, so the limiter (not what this bench measures) stays out of the way.
         "rate_limit_per_minute": max(base.rate_limit_per_minute, 100_000),
@@ -597,6 +607,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
         o["reward_mean"] = online_rewards.get(o["version"])
     result = {
         "bench": "loop", "model": model_spec, "model_label": Path(model_spec).name or model_spec,
+        "seed": config.seed,
         "minutes": config.minutes, "users": config.users, "rule": config.rule if config.team is None else "team",
         "user_threshold": config.threshold, "train_tasks": len(train),
         "team": config.team, "heldout_tasks": len(heldout), "draws": config.draws,
@@ -612,6 +623,7 @@ def run_loop_bench(base_settings, config: LoopBenchConfig, out_dir: Path, *,
             "requests", "completed", "abandoned", "errors", "shown", "accepted", "feedback_sent", "feedback_errors",
             "latency_p50_ms", "latency_p95_ms", "ttft_p50_ms")},
         "engine": config.engine, "vllm_dtype": config.vllm_dtype if config.engine == "vllm" else None,
+        "candidate_samples": config.candidate_samples,
         "trainer": {"batch_size": config.batch_size, "lr": config.lr, "lora_rank": config.lora_rank,
                     "exploration_temperature": config.exploration_temperature,
                     "max_staleness": config.max_staleness, "show_gate": settings.show_gate},
@@ -704,6 +716,11 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
         # draw's): greedy draws' own are all 0. Greedy draws of a task are all the same text: one is enough.
         draws = sample(model, tokenizer, heldout, 1 if temperature <= GREEDY_TEMPERATURE else config.draws,
                        temperature, gate_temperature=settings.default_temperature)
+        chooser, samples = None, []
+        if config.candidate_samples and temperature <= GREEDY_TEMPERATURE:  # the door's chooser, mirrored
+            samples = sample(model, tokenizer, heldout, config.candidate_samples, settings.default_temperature,
+                             gate_temperature=settings.default_temperature)
+            draws, chooser = chosen_draws(settings, model, tokenizer, heldout, draws, samples)
         sampled_s = round(time.monotonic() - t0, 1)
         for gate_version in [None, *pairs.get(version, [])]:
             gate = None
@@ -715,9 +732,11 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
             served = served_rows(heldout, draws, gate, user_model, spec, explore=True, seed=config.seed)
             decided = served_rows(heldout, draws, gate, user_model, spec, explore=False, seed=config.seed)
             if version == 0 and gate is None and greedy:  # every draw shown: the ceiling chooses among them
-                ceiling = oracle_rows(greedy, decided)
+                # With the chooser its candidates are the ceiling's (what it chose among), else greedy and the draws.
+                sampled = served_rows(heldout, samples, None, user_model, spec, explore=False) if samples else []
+                ceiling = oracle_rows(greedy, decided, sampled)
                 rows_all += [{"version": 0, "gate_version": None, "policy": "reference_oracle", **r} for r in ceiling]
-                candidates = 1 + len({d.draw for d in draws})
+                candidates = 1 + (config.candidate_samples if samples else len({d.draw for d in draws}))
                 reference["oracle"] = {"version": 0, "candidates": candidates, **figures(ceiling),
                                        "vs_reference": paired_figures(ceiling, greedy)}
                 say(f"bench loop: ceiling (v0, the best of greedy and {candidates - 1} draws per task): "
@@ -731,7 +750,7 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
                      "deterministic": {**figures(decided),
                                        "vs_reference": paired_figures(decided, greedy) if greedy else None},
                      "gate_threshold": None if gate is None else gate.threshold,
-                     "published_s": published.get(version), "sampled_s": sampled_s}
+                     "published_s": published.get(version), "sampled_s": sampled_s, "chooser": chooser}
             entries.append(entry)
             served_by_entry.append(served)
             say(f"bench loop: v{version} gate {gate_version}: " + ", ".join(
@@ -739,6 +758,34 @@ def evaluate_served(settings, model_spec: str, config: LoopBenchConfig, heldout,
         del model
     differences = paired_figures(served_by_entry[-1], served_by_entry[0]) if entries else None
     return entries, reference, rows_all, differences
+
+
+def chosen_draws(settings, model, tokenizer, tasks: Sequence, greedy: Sequence, samples: Sequence
+                 ) -> tuple[list, dict]:
+    """(per task the draw the door's candidate chooser shows, what it did): each task's greedy draw and its
+    samples, read with the task's suffix after what the editor shows of each by the door's own reading
+    (``policy.models.read_continuations``, ``policy.value_model.posterior_pick``), greedy on ties. Tasks without
+    a suffix are served greedily, as the door serves them."""
+    candidates = [[d] for d in sorted(greedy, key=lambda d: d.task_index)]
+    for d in samples:
+        candidates[d.task_index].append(d)
+    fmt = prompt_format(tokenizer)
+    budget = min(settings.max_prompt_tokens,
+                 getattr(tokenizer, "model_max_length", settings.max_prompt_tokens) or settings.max_prompt_tokens)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    picks = []
+    for task, cands in zip(tasks, candidates):
+        texts = [shown_text(d.completion, single_line=single_line_mode(task.prefix)) for d in cands]
+        if not task.suffix:
+            picks.append(0)
+            continue
+        distinct, cand_ids, continuations = candidate_continuations(texts, task.suffix, tokenizer)
+        prompt = prompt_token_ids(tokenizer, task.fim_prompt(), budget, fmt)[0]
+        logprobs = (read_continuations(model, None, prompt, continuations, pad)
+                    if any(continuations) else [[] for _ in continuations])
+        picks.append(posterior_pick(texts, distinct, cand_ids, logprobs))
+    chosen = [replace(c[p], draw=0) for c, p in zip(candidates, picks)]
+    return chosen, {"candidates": 1 + len(samples) // max(len(tasks), 1), "chose_a_sample": sum(1 for p in picks if p)}
 
 
 def oracle_rows(*candidates: Sequence[dict]) -> list[dict]:
@@ -941,6 +988,9 @@ QUICK = {"minutes": 2.0, "users": 2, "heldout": 16, "batch_size": 8, "batch_wait
                    "install` first), every LoRA version hot-loaded into it.")
 @click.option("--vllm-dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="--engine vllm: the replica's dtype (bfloat16: the train-inference gap the trainer reports).")
+@click.option("--candidate-samples", type=click.IntRange(0, 8), default=0, show_default=True,
+              help="TABLOOP_CANDIDATE_SAMPLES: the door shows the likeliest of greedy and this many samples once "
+                   "it has read the suffix after each; the held-out evaluation mirrors it.")
 @click.option("--quick", is_flag=True, help="A short smoke run (2 minutes, 2 users, 16 held-out tasks).")
 @click.option("--keep-state", is_flag=True, help="Keep the bench's state dir (Kafka data, weights, logs).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-loop", show_default=True,
@@ -949,7 +999,8 @@ QUICK = {"minutes": 2.0, "users": 2, "heldout": 16, "batch_size": 8, "batch_wait
 def bench_loop(ctx, minutes, users, model, heldout, draws, team, train_limit, rule, threshold, batch_size, lr,
                lora_rank, exploration_temperature, eval_temperature, threshold_tasks, max_evals, max_tokens,
                abandon_share, max_staleness, ignored_ttl, save_every, canary_share, canary_min_episodes, promote_gate,
-               gate_share, gate_min_episodes, seed, engine, vllm_dtype, quick, keep_state, out_dir) -> None:
+               gate_share, gate_min_episodes, seed, engine, vllm_dtype, candidate_samples, quick, keep_state,
+               out_dir) -> None:
     """The whole system (Kafka, front door, streams, trainer, history) with simulated users on the train
     split; every policy version evaluated on held-out tasks. Last line: JSON; also a PNG plot."""
     defaults = {"minutes": 15.0, "users": 4, "heldout": None, "batch_size": 16, "batch_wait_s": 20.0,
@@ -971,8 +1022,29 @@ def bench_loop(ctx, minutes, users, model, heldout, draws, team, train_limit, ru
                                  ignored_ttl_s=ignored_ttl or None, save_every=save_every,
                                  canary_share=canary_share, canary_min_episodes=canary_min_episodes,
                                  promote_gate=promote_gate, gate_share=gate_share,
-                                 gate_min_episodes=gate_min_episodes, engine=engine, vllm_dtype=vllm_dtype)
+                                 gate_min_episodes=gate_min_episodes, engine=engine, vllm_dtype=vllm_dtype,
+                                 candidate_samples=candidate_samples)
         result = run_loop_bench(ctx.find_root().obj, config, Path(out_dir))
     except (ValueError, RuntimeError, KafkaLaunchError, ModelLoadError) as exc:
         raise TabloopError(str(exc)) from None
+    print(json.dumps(result))
+
+
+@click.command("loop-seeds")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Also write seeds.json and seeds.md here.")
+def bench_loop_seeds(runs, out_dir) -> None:
+    """Several seeds of `bench loop` (their --out directories) read together against the plain server: per
+    seed, and pooled with intervals that count a held-out file once (trainer/proof/seeds.py). Last line: JSON."""
+    try:
+        result = compare_seeds(read_runs([Path(r) for r in runs]))
+    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise TabloopError(f"could not read the runs: {exc}") from None
+    table = seeds_table(result)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "seeds.json").write_text(json.dumps(result, indent=1))
+        (Path(out_dir) / "seeds.md").write_text(table + "\n")
+    click.echo(table, err=True)
     print(json.dumps(result))

@@ -449,3 +449,51 @@ def test_the_plot_draws_every_reported_figure_with_both_baselines(tmp_path):
               "online": [{"version": 0, **{k: 0.1 for k in REPORTED}}], "model_label": "m", "minutes": 1.0,
               "users": 1, "heldout_tasks": 8, "feedback_to_policy_s": None}
     assert plot(result, tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_held_out_chooser_shows_each_tasks_likeliest_candidate_with_its_suffix_read(tiny_model, tmp_path):
+    """``chosen_draws`` (the door's chooser, mirrored on held-out tasks): per task greedy and two samples, the
+    one with the highest log p(candidate) + log p(suffix after it), computed here row by row on the model."""
+    from dataclasses import replace
+
+    from policy.models import load_model
+    from policy.show_gate import LOGPROB_CLIP
+    from policy.shown import shown_text, single_line_mode
+    from policy.value_model import SUFFIX_CHARS, SUFFIX_TOKENS
+    from policy.fim import prompt_format, prompt_token_ids
+    from tabloop.loop_bench import chosen_draws
+    from tests.conftest import make_settings
+    from tests.test_candidate_chooser import reference_logprobs
+    from trainer.proof.evaluate import sample_draws
+    from trainer.proof.tasks import resolve_dataset
+
+    settings = make_settings(tmp_path, model=tiny_model)
+    model, tok = load_model(tiny_model)
+    tasks = list(resolve_dataset("stdlib:heldout", seed=0, limit=6))
+    tasks[5] = replace(tasks[5], suffix="")  # nothing to read after the cursor: greedy, as the door serves it
+    common = dict(max_new_tokens=8, top_p=1.0, batch_size=8, max_prompt_tokens=settings.max_prompt_tokens)
+    greedy = sample_draws(model, tok, tasks, draws=1, temperature=0.0, **common)
+    samples = sample_draws(model, tok, tasks, draws=2, temperature=0.7, seed=3, **common)
+    chosen, what = chosen_draws(settings, model, tok, tasks, greedy, samples)
+
+    assert [d.task_index for d in chosen] == list(range(6)) and {d.draw for d in chosen} == {0}
+    picks = []
+    for i, task in enumerate(tasks):
+        cands = [greedy[i]] + [d for d in samples if d.task_index == i]
+        texts = [shown_text(d.completion, single_line=single_line_mode(task.prefix)) for d in cands]
+        prompt = prompt_token_ids(tok, task.fim_prompt(), settings.max_prompt_tokens, prompt_format(tok))[0]
+        suffix = tok.encode(task.suffix[:SUFFIX_CHARS], add_special_tokens=False)[:SUFFIX_TOKENS]
+        posterior = []
+        for t in texts:
+            ids = tok.encode(t, add_special_tokens=False) if t else []
+            lps = reference_logprobs(model, prompt + ids + suffix, len(prompt)) if ids or suffix else []
+            posterior.append(sum(max(lp, LOGPROB_CLIP) for lp in lps) if t is not None else float("-inf"))
+        best = max(posterior)
+        expected = 0 if not task.suffix or best == float("-inf") or posterior[0] >= best - 1e-4 \
+            else posterior.index(best)
+        assert chosen[i].completion == cands[expected].completion or texts[expected] == \
+            shown_text(chosen[i].completion, single_line=single_line_mode(task.prefix)), (i, texts, posterior)
+        picks.append(expected)
+    assert chosen[5].completion == greedy[5].completion
+    assert what["candidates"] == 3
+    assert what["chose_a_sample"] == sum(1 for p in picks if p) >= 1  # not greedy everywhere
