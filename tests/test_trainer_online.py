@@ -220,34 +220,40 @@ def test_the_trainer_runs_its_own_canary_and_decides_it_once(setup):
 
 
 @pytest.mark.kafka
-def test_the_next_version_waits_for_the_running_canarys_decision(setup):
-    """Real broker: a trainer that saves faster than its canary gathers episodes must not replace the canary
-    undecided (then nothing would ever be promoted). Updates go on; the save waits for the decision, and the
-    version saved then holds every update made meanwhile."""
+@pytest.mark.parametrize("baseline_episodes, min_episodes, staleness", [(8, 2, None), (48, 4, 100)],
+                         ids=["two-updates", "twelve-updates"])
+def test_the_next_version_waits_for_the_running_canarys_decision(setup, baseline_episodes, min_episodes, staleness):
+    """Real broker: a trainer that saves (every update) faster than its canary gathers episodes must not replace
+    the canary undecided (then nothing would ever be promoted). Updates go on; the save waits for the decision,
+    and the version saved then holds every update made meanwhile: two, and twelve (more than the old ten saves'
+    worth)."""
     from trainer.online import OnlineTrainer
     from policy.weight_store import WeightStore
 
     settings, topic, tok, base = setup
-    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 2})
+    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": min_episodes,
+                                           **({"trainer_max_staleness": staleness} if staleness else {})})
     store = WeightStore(settings.effective_weight_store, base)
     produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
     trainer = OnlineTrainer(settings, topic=topic)
     try:
         trainer.run(max_versions=1)
         assert trainer.canaries[""].candidate == 1
-        # Two batches of the baseline's episodes, none of the candidate's: two updates, no decision, no save.
-        produce(settings, topic, [episode(tok, 10 + i, "acme") for i in range(8)])
+        # Batches of the baseline's episodes only (four to an update): updates, no decision, no save.
+        produce(settings, topic, [episode(tok, 100 + i, "acme") for i in range(baseline_episodes)])
         trainer.run(idle_exit_s=3)
-        assert trainer.progress.updates == 2 and store.versions() == [1]
+        assert trainer.progress.updates == baseline_episodes // 4 and store.versions() == [1], store.versions()
         assert trainer.canaries[""].candidate == 1
         # The candidate's episodes decide it (as good as the baseline: promoted); the update after them saves.
-        produce(settings, topic, [episode(tok, 20 + i, "acme", policy_version=1) for i in range(4)])
+        produce(settings, topic, [episode(tok, 1000 + i, "acme", policy_version=1) for i in range(4)])
         trainer.run(max_versions=1)
     finally:
         trainer.close()
-    assert store.versions() == [1, 2] and store.manifest(2).episodes_trained == 12  # three updates' episodes
+    # Every update's episodes since version 1: the baseline's and the candidate's.
+    assert store.versions() == [1, 2] and store.manifest(2).episodes_trained == baseline_episodes + 4
     records = _weight_records(settings, base, 3)
     assert [(r["version"], r["status"]) for r in records] == [(1, "CANDIDATE"), (1, "PROMOTED"), (2, "CANDIDATE")]
+    _assert_every_canary_decided_before_the_next(records)
 
 
 def test_a_canary_is_decided_from_the_head_of_the_topic_not_the_trainers_read_position(setup):
@@ -505,34 +511,6 @@ def _assert_every_canary_decided_before_the_next(records) -> None:
             running = r["version"]
         elif r["version"] == running:
             running = None
-
-
-def test_a_fast_trainer_folds_its_updates_into_the_next_version_until_the_canary_is_decided(setup):
-    """A trainer that saves (every update) far faster than its canary collects canary_min_episodes: twelve
-    updates, more than the old ten saves' worth, and no version replaces the undecided canary; once the
-    canary's episodes decide it, one version holds every update made meanwhile."""
-    from trainer.online import OnlineTrainer
-
-    settings, topic, tok, base = setup
-    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 4,
-                                           "trainer_max_staleness": 100})
-    store = WeightStore(settings.effective_weight_store, base)
-    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
-    trainer = OnlineTrainer(settings, topic=topic)
-    try:
-        trainer.run(max_versions=1)
-        produce(settings, topic, [episode(tok, 100 + i, "acme") for i in range(48)])  # the baseline's only
-        trainer.run(idle_exit_s=3)
-        assert trainer.progress.updates == 12 and store.versions() == [1], store.versions()
-        assert trainer.canaries[""].candidate == 1
-        produce(settings, topic, [episode(tok, 200 + i, "acme", policy_version=1) for i in range(4)])
-        trainer.run(max_versions=1)
-    finally:
-        trainer.close()
-    assert store.versions() == [1, 2] and store.manifest(2).episodes_trained == 52  # thirteen updates' episodes
-    records = _weight_records(settings, base, 3)
-    assert [(r["version"], r["status"]) for r in records] == [(1, "CANDIDATE"), (1, "PROMOTED"), (2, "CANDIDATE")]
-    _assert_every_canary_decided_before_the_next(records)
 
 
 def test_a_canary_without_traffic_is_withdrawn_with_its_reason_before_the_next_version(setup):
