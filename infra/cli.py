@@ -12,12 +12,10 @@ from infra.bus import KafkaUnavailable, TopicSetupError, ensure_topics, read_top
 from infra.errors import TabloopError
 from infra.kafka_broker import KafkaLaunchError, LocalKafka
 from infra.local import ContinueConfigError, continue_config, endpoints, merge_continue_config
+from infra.settings import settings_of
 from schemas.compat import check_all, release, unreleased
 from schemas.topics import CATALOG
 
-
-def _settings(ctx: click.Context):
-    return ctx.find_root().obj
 
 
 @click.group()
@@ -27,7 +25,7 @@ def kafka() -> None:
 
 def _broker(ctx: click.Context):
     try:
-        return LocalKafka(_settings(ctx))
+        return LocalKafka(settings_of(ctx))
     except KafkaLaunchError as exc:
         raise TabloopError(str(exc)) from None
 
@@ -93,11 +91,11 @@ def topics() -> None:
 def topics_create(ctx: click.Context) -> None:
     """Create the catalog's topics, or fix partition counts and configs that differ. Idempotent."""
     try:
-        actions = ensure_topics(_settings(ctx))
+        actions = ensure_topics(settings_of(ctx))
     except TopicSetupError as exc:
         raise TabloopError(f"some topics differ from the catalog in ways tabloop can't fix:\n{exc}") from None
     except Exception as exc:  # KafkaException: broker down, timeouts
-        raise TabloopError(f"could not reach Kafka at {_settings(ctx).kafka_bootstrap}: {exc}") from None
+        raise TabloopError(f"could not reach Kafka at {settings_of(ctx).kafka_bootstrap}: {exc}") from None
     for line in actions or ["all topics match the catalog"]:
         click.echo(line)
 
@@ -106,7 +104,7 @@ def topics_create(ctx: click.Context) -> None:
 @click.pass_context
 def topics_list(ctx: click.Context) -> None:
     """The catalog: name, event type, partitions, configs."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     for t in CATALOG:
         configs = ",".join(f"{k}={v}" for k, v in t.configs.items())
         click.echo(f"{t.name:22s} {t.event_type:18s} partitions={wanted_partitions(t, s)} "
@@ -129,7 +127,7 @@ def events_dump(ctx: click.Context, topic: str, from_beginning: bool, limit: int
     """Print decoded events of TOPIC as JSON lines; undecodable ones as error lines."""
     last = None if from_beginning or limit is None else limit
     try:
-        for r in read_topic(_settings(ctx), topic, from_beginning=from_beginning, last=last, follow=follow,
+        for r in read_topic(settings_of(ctx), topic, from_beginning=from_beginning, last=last, follow=follow,
                             limit=limit):
             line = {"topic": r.topic, "partition": r.partition, "offset": r.offset,
                     "key": r.key.decode(errors="replace") if r.key is not None else None}
@@ -150,7 +148,7 @@ def keys() -> None:
 
 
 def _keystore(ctx: click.Context):
-    return KeyStore(_settings(ctx).keys_file)
+    return KeyStore(settings_of(ctx).keys_file)
 
 
 @keys.command("add")
@@ -197,7 +195,7 @@ def continue_group() -> None:
 @click.pass_context
 def continue_config_cmd(ctx: click.Context, merge_path: str | None, new_key: bool) -> None:
     """Print a complete Continue config.yaml for this system, or merge its entries into one."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     addresses = endpoints(s)
     key = new_local_key(s.keys_file) if new_key and addresses["auth"] == "keys" else None
     if key:

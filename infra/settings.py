@@ -354,6 +354,12 @@ def load_settings(environ: Mapping[str, str] | None = None, config_file: Path | 
         raise SettingsError(_describe(exc, origin)) from None
 
 
+def settings_of(ctx) -> Settings:
+    """The settings of a `tabloop` command: ``tabloop.cli``'s root command loads them once (environment, config
+    file, flags) and keeps them as its click context's object; every subcommand reads that one object."""
+    return ctx.find_root().obj
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}

@@ -6,11 +6,9 @@ import sys
 
 import click
 
+from infra.settings import settings_of
 from streams.app import run_worker
 
-
-def _settings(ctx: click.Context):
-    return ctx.find_root().obj
 
 
 @click.command()
@@ -20,4 +18,4 @@ def _settings(ctx: click.Context):
 def streams(ctx: click.Context, guarantee: str) -> None:
     """The streams worker: joins completions and feedback into reward-labelled episodes."""
     sys.argv = sys.argv[:1]  # the Faust worker parses the command line itself
-    run_worker(_settings(ctx), guarantee=guarantee)
+    run_worker(settings_of(ctx), guarantee=guarantee)

@@ -11,13 +11,11 @@ import click
 
 from infra.bus import broker_answers
 from infra.errors import TabloopError
+from infra.settings import settings_of
 from tabloop import bench as benches
 from tabloop.bench_vllm import bench_serving_vllm
 from tabloop.fuzz import fuzz
 
-
-def _settings(ctx: click.Context):
-    return ctx.find_root().obj
 
 
 @click.command("codec")
@@ -33,7 +31,7 @@ def bench_codec(n: int) -> None:
 @click.pass_context
 def bench_kafka(ctx: click.Context, n: int, partitions: int) -> None:
     """Produce/consume events/s of realistic CompletionServed events against the configured broker."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     if not broker_answers(s):
         raise TabloopError(f"no Kafka answers on {s.kafka_bootstrap}: run `tabloop kafka start` first")
     benches.bench_kafka(s, n, partitions)
@@ -53,7 +51,7 @@ def bench_kafka(ctx: click.Context, n: int, partitions: int) -> None:
 @click.pass_context
 def bench_pipeline(ctx: click.Context, n: int, rate: int, seconds: float, guarantee: str, workers: int) -> None:
     """Episodes/s of streams workers and feedback→episode latency (starts a broker of its own)."""
-    benches.bench_pipeline(_settings(ctx), n=n, rate=rate, seconds=seconds, guarantee=guarantee, workers=workers)
+    benches.bench_pipeline(settings_of(ctx), n=n, rate=rate, seconds=seconds, guarantee=guarantee, workers=workers)
 
 
 @click.command("serving")
@@ -74,10 +72,10 @@ def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens:
                   vllm_url: str | None, with_transformers: bool) -> None:
     """Streaming latency and TTFT through the front door vs the bare engine (TABLOOP_MODEL; for a quick run point it at `tabloop model tiny --out DIR`)."""
     if engine == "vllm":
-        bench_serving_vllm(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens,
+        bench_serving_vllm(settings_of(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens,
                            rounds=rounds, vllm_url=vllm_url, with_transformers=with_transformers)
         return
-    benches.bench_serving(_settings(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
+    benches.bench_serving(settings_of(ctx), clients=clients, requests_per_client=per_client, max_tokens=max_tokens, rounds=rounds)
 
 
 @click.command("adapters")
@@ -89,7 +87,7 @@ def bench_serving(ctx: click.Context, clients: int, per_client: int, max_tokens:
 @click.pass_context
 def bench_adapters(ctx: click.Context, rows: int, adapters: int, rounds: int, rank: int) -> None:
     """Decode-step cost of per-project adapters vs a merged copy, and adapter load time (TABLOOP_MODEL)."""
-    benches.bench_adapters(_settings(ctx), rows=rows, adapters=adapters, rounds=rounds, rank=rank)
+    benches.bench_adapters(settings_of(ctx), rows=rows, adapters=adapters, rounds=rounds, rank=rank)
 
 
 @click.command("fuzz")

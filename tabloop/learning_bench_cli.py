@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from infra.errors import TabloopError
+from infra.settings import settings_of
 from policy.models import use_torch_threads
 from tabloop.bench import _emit
 from tabloop.loop_bench import resolve_model
@@ -14,9 +15,6 @@ from trainer.build_models import build_named_model
 from trainer.proof.gate_replay import RULES, run_gate_replay, write_result
 from trainer.proof.teams import TeamsConfig, run_teams_bench
 
-
-def _settings(ctx: click.Context):
-    return ctx.find_root().obj
 
 
 @click.command("teams")
@@ -45,7 +43,7 @@ def bench_teams(ctx: click.Context, model: str | None, updates: int, prompts_per
                 train_limit: int | None, heldout: int, ignored_reward: float, seed: int, out_dir: str) -> None:
     """Two simulated teams with different quoting conventions: each team's held-out accept rate under a shared
     policy and under its own (trainer/proof/teams.py)."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     use_torch_threads(settings.torch_threads)
     try:
         config = TeamsConfig(updates=updates, prompts_per_update=prompts_per_update, group_size=group_size,
@@ -89,7 +87,7 @@ def bench_gate_replay(ctx: click.Context, model: str | None, traffic: int, judgi
                       out_dir: str) -> None:
     """The show-gate's learner replayed on draws of train tasks under each threshold rule, its promoted gates
     judged on other train tasks (trainer/proof/gate_replay.py): where the gate's rule is chosen."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     use_torch_threads(settings.torch_threads)
     model_spec = resolve_model(settings, model) if model else build_named_model(settings)
     try:

@@ -7,13 +7,11 @@ import asyncio
 import click
 
 from infra.errors import TabloopError
+from infra.settings import settings_of
 from policy.models import ModelLoadError
 from serving.server import Server
 from trainer.build_models import build_named_model
 
-
-def _settings(ctx: click.Context):
-    return ctx.find_root().obj
 
 
 @click.command()
@@ -21,7 +19,7 @@ def _settings(ctx: click.Context):
 def serve(ctx: click.Context) -> None:
     """The front door: completions on TABLOOP_COMPLETIONS_PORT (8081), feedback on TABLOOP_FEEDBACK_PORT (8082)."""
     try:
-        settings = _settings(ctx)
+        settings = settings_of(ctx)
         build_named_model(settings)  # the demo model is pretrained by the trainer's code, before the door finds it
         server = Server(settings)
     except (ModelLoadError, ValueError, OSError) as exc:

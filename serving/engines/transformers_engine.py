@@ -47,38 +47,12 @@ from transformers.utils import logging as hf_logging
 from policy.models import CachedDecoder, load_model, lora_target_modules, read_continuations, use_torch_threads
 from policy.named_models import resolve_model_spec
 from policy.sampling import GREEDY_TEMPERATURE, sampling_log_probs
+from serving.engines.adapter_residency import AdapterResidency, Policy, Route
 from serving.engines.base import Engine, GenerationRequest, TokenStep
 
 log = logging.getLogger("tabloop.engine")
 _DONE = object()  # end of a request's token stream
 _WAKE = object()  # makes an idle generation thread look at staged weights
-
-
-BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a row of a mixed batch
-_ZERO_ADAPTER = "tabloop-zero"  # all-zero LoRA: the peft model's active adapter, so a plain call is the base
-
-
-@dataclass(frozen=True, eq=False)
-class _Policy:
-    """A servable version: the model that computes it and, for a LoRA version, its adapter in that model."""
-    version: int
-    model: torch.nn.Module
-    adapter: str | None = None
-    """The adapter name in the engine's peft model (BASE_ADAPTER for the base); None: ``model`` is plain."""
-    source: tuple[str, str] = ("", "FULL")
-    """(uri, kind) it was loaded from: how to load it again after it was unloaded."""
-
-
-@dataclass(frozen=True)
-class _Route:
-    """What one project (or the shared policy, project "") serves: a promoted version and maybe a canary."""
-    promoted: _Policy | None
-    """None: the project has only a canary; its other requests take the shared policy's promoted version."""
-    candidate: _Policy | None = None
-    share: float = 0.0
-
-    def policies(self) -> list[_Policy]:
-        return [p for p in (self.promoted, self.candidate) if p is not None]
 
 
 @dataclass(eq=False)
@@ -91,7 +65,7 @@ class _Slot:
     generated: list[int] = field(default_factory=list)
     text_sent: int = 0
     generator: torch.Generator | None = None
-    policy: _Policy | None = None  # set when admitted
+    policy: Policy | None = None  # set when admitted
 
     def emit(self, item) -> None:
         try:
@@ -172,7 +146,7 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float,
     return token, float(logp[token])
 
 
-class TransformersEngine(Engine):
+class TransformersEngine(AdapterResidency, Engine):
     name = "transformers"
 
     def __init__(self, model_spec: str, *, device: str = "cpu", max_batch: int = 8, batch_window_ms: float = 5.0,
@@ -186,9 +160,9 @@ class TransformersEngine(Engine):
         self._lora_targets = lora_target_modules(self._base_model)
         self._peft = None  # the peft model over the base, made when the first project version is loaded
         self._peft_lock = threading.Lock()  # the base is not copied while it is being wrapped
-        self._routes: dict[str, _Route] = {"": _Route(_Policy(policy_version, self._base_model))}
+        self._routes: dict[str, Route] = {"": Route(Policy(policy_version, self._base_model))}
         self._last_used: dict[str, float] = {}  # project -> when a request last took its route (LRU)
-        self._unloaded: dict[str, _Route] = {}  # project -> the route unloaded past max_adapters
+        self._unloaded: dict[str, Route] = {}  # project -> the route unloaded past max_adapters
         self._reloading: set[str] = set()
         self._adapters_changed = False
         self.policy_version = policy_version
@@ -213,11 +187,6 @@ class TransformersEngine(Engine):
         shared = self._routes[""].promoted
         return {project: ((r.promoted or shared).version, r.candidate.version if r.candidate else None)
                 for project, r in dict(self._routes).items()}
-
-    def loaded_adapters(self) -> list[str]:
-        """The LoRA adapters held in memory now (not counting the engine's all-zero one)."""
-        peft = self._peft
-        return [] if peft is None else sorted(n for n in peft.peft_config if n != _ZERO_ADAPTER)
 
     async def close(self) -> None:
         self._pending.put(None)
@@ -303,7 +272,7 @@ class TransformersEngine(Engine):
         if failure:
             raise failure[0]
 
-    def _build_version(self, version: int, uri: str, kind: str, project: str = "") -> _Policy:
+    def _build_version(self, version: int, uri: str, kind: str, project: str = "") -> Policy:
         return build_version(version, uri, kind, project, base_model=self._base_model, clean_base=self._clean_base,
                              device=self.device)
 
@@ -436,90 +405,28 @@ class TransformersEngine(Engine):
         label = f"project {project}" if project else "shared policy"
         if kind == "promoted":
             keep = route is not None and route.candidate is not None and route.candidate.version != policy.version
-            self._routes[project] = _Route(policy, route.candidate if keep else None, route.share if keep else 0.0)
+            self._routes[project] = Route(policy, route.candidate if keep else None, route.share if keep else 0.0)
             self._unloaded.pop(project, None)
             log.info("%s: now serving version %d", label, policy.version)
         elif kind == "candidate":
             share = change[3]
-            self._routes[project] = _Route(route.promoted if route is not None else None, policy, share)
+            self._routes[project] = Route(route.promoted if route is not None else None, policy, share)
             log.info("%s: canary version %d serves %.0f%% of requests", label, policy.version, 100 * share)
         elif kind == "promote-candidate" and route is not None and route.candidate is not None:
-            self._routes[project] = _Route(route.candidate)
+            self._routes[project] = Route(route.candidate)
             log.info("%s: canary promoted, now serving version %d", label, route.candidate.version)
         elif kind == "drop-candidate" and route is not None:
             if route.promoted is None:
                 del self._routes[project]
             else:
-                self._routes[project] = _Route(route.promoted)
+                self._routes[project] = Route(route.promoted)
             log.info("%s: canary dropped", label)
         elif kind == "drop-project":
             self._routes.pop(project, None)
             self._unloaded.pop(project, None)
             log.info("%s: served by the shared policy again", label)
 
-    def _base_policy(self) -> _Policy:
-        return _Policy(0, self._peft, BASE_ADAPTER) if self._peft is not None else _Policy(0, self._base_model)
-
-    def _resident(self, policy: _Policy, running: list[_Batch]) -> _Policy:
-        """``policy`` ready to decode: the base as the peft model sees it, a LoRA version's adapter loaded."""
-        if policy.version == 0:
-            return self._base_policy()
-        if policy.adapter is None:
-            return policy
-        if self._peft is None:
-            self._make_peft()
-        if policy.adapter not in self._peft.peft_config:
-            self._make_room(running)
-            self._peft.load_adapter(policy.source[0].removeprefix("file://"), adapter_name=policy.adapter)
-            self._peft.set_adapter(_ZERO_ADAPTER)  # a plain call stays the base
-        return _Policy(policy.version, self._peft, policy.adapter, policy.source)
-
-    def _make_peft(self) -> None:
-        """Wrap the base in a peft model whose active adapter is all zeros: rows running on the plain base
-        compute exactly what they did (the LoRA term is 0), and rows that name an adapter get it."""
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(r=1, lora_alpha=1, target_modules=self._lora_targets, lora_dropout=0.0,
-                            init_lora_weights=True)  # B = 0: the adapter adds nothing
-        with self._peft_lock:
-            self._peft = get_peft_model(self._base_model, config, adapter_name=_ZERO_ADAPTER).eval()
-        base = self._base_policy()
-        self._routes = {project: _Route(*(base if p is not None and p.version == 0 else p
-                                          for p in (r.promoted, r.candidate)), r.share)
-                        for project, r in self._routes.items()}
-
-    def _routed_adapters(self) -> set[str]:
-        return {p.adapter for r in self._routes.values() for p in r.policies() if p.adapter not in (None, BASE_ADAPTER)}
-
-    def _make_room(self, running: list[_Batch]) -> None:
-        """Room for one more adapter: the routes may hold ``max_adapters`` - 1; past that, the projects whose
-        routes were least recently used are unloaded (their rows still running keep theirs until they end)."""
-        while len(self._routed_adapters()) >= self.max_adapters:
-            projects = [p for p, r in self._routes.items()
-                        if p and any(x.adapter not in (None, BASE_ADAPTER) for x in r.policies())]
-            if not projects:
-                log.warning("%d adapters routed (TABLOOP_MAX_ADAPTERS) and none can be unloaded",
-                            len(self._routed_adapters()))
-                break
-            oldest = min(projects, key=lambda p: self._last_used.get(p, 0.0))
-            self._unloaded[oldest] = self._routes.pop(oldest)
-            log.warning("project %s unloaded to make room (TABLOOP_MAX_ADAPTERS=%d): the shared policy serves "
-                        "it until its next request loads it again", oldest, self.max_adapters)
-        self._collect_adapters(running)
-
-    def _collect_adapters(self, running: list[_Batch]) -> None:
-        """Unload adapters that no route serves and no running row uses."""
-        self._adapters_changed = False
-        if self._peft is None:
-            return
-        used = {p.adapter for r in self._routes.values() for p in r.policies()}
-        used |= {s.policy.adapter for b in running for s in b.slots if s.policy is not None}
-        for name in self.loaded_adapters():
-            if name not in used:
-                self._peft.delete_adapter(name)
-                log.info("adapter %s unloaded", name)
-
-    def _policy_for(self, request: GenerationRequest, now: float) -> _Policy:
+    def _policy_for(self, request: GenerationRequest, now: float) -> Policy:
         route = self._routes.get(request.project_id)
         if route is None:
             route = self._routes[""]
@@ -530,7 +437,7 @@ class TransformersEngine(Engine):
             return route.candidate
         return route.promoted if route.promoted is not None else self._routes[""].promoted
 
-    def _reading_policy(self, job: _ReadJob) -> _Policy:
+    def _reading_policy(self, job: _ReadJob) -> Policy:
         """The policy that serves the job's project, of the version asked for where its route holds it."""
         route = self._routes.get(job.request.project_id) or self._routes[""]
         shared = self._routes[""].promoted
@@ -627,12 +534,12 @@ def new_text(tokenizer, slot: _Slot, finish: str | None) -> str:
     return new
 
 
-def build_version(version: int, uri: str, kind: str, project: str, *, base_model, clean_base, device: str) -> _Policy:
+def build_version(version: int, uri: str, kind: str, project: str, *, base_model, clean_base, device: str) -> Policy:
     """A model copy for a FULL version or a shared LoRA version (merged into ``clean_base()``), loaded off the
     generation thread; a project's LoRA version is only checked here, and becomes an adapter of the peft model on
     the generation thread (``TransformersEngine._resident``)."""
     if version == 0 or not uri:
-        return _Policy(0, base_model)
+        return Policy(0, base_model)
     path = uri.removeprefix("file://")
     if kind == "LORA":
         config = Path(path) / "adapter_config.json"
@@ -640,7 +547,7 @@ def build_version(version: int, uri: str, kind: str, project: str, *, base_model
             raise FileNotFoundError(f"version {version}: no LoRA adapter at {path} (no adapter_config.json)")
         json.loads(config.read_text())  # a broken file fails here, not on the generation thread
         if project:
-            return _Policy(version, base_model, adapter=f"v{version}", source=(uri, kind))
+            return Policy(version, base_model, adapter=f"v{version}", source=(uri, kind))
         from peft import PeftModel  # lazy: only a shared LoRA version needs it
 
         model = PeftModel.from_pretrained(clean_base(), path).merge_and_unload()
@@ -648,7 +555,7 @@ def build_version(version: int, uri: str, kind: str, project: str, *, base_model
         model, _ = load_model(str(path), device=device)
     else:
         raise ValueError(f"unknown weight kind {kind!r} (expected LORA or FULL)")
-    return _Policy(version, model.eval(), source=(uri, kind))
+    return Policy(version, model.eval(), source=(uri, kind))
 
 
 def from_settings(settings) -> TransformersEngine:

@@ -15,6 +15,7 @@ import click
 from infra.bus import broker_answers
 from infra.errors import TabloopError
 from infra.local import endpoints
+from infra.settings import settings_of
 from rewards.spec import RewardSpecs
 from streams.history.bench import bench_history as run_bench_history
 from streams.history.replay import Selection, parse_offset, replay as run_replay
@@ -24,9 +25,6 @@ from streams.history.sql import HistoryServer, SqlClient, SqlError, format_table
 
 log = logging.getLogger("tabloop.history")
 
-
-def _settings(ctx: click.Context):
-    return ctx.find_root().obj
 
 
 def _fail(message: str):
@@ -55,7 +53,7 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
     if ctx.invoked_subcommand is not None:
         return
 
-    s = _settings(ctx)
+    s = settings_of(ctx)
     try:
         store = HistoryStore.from_settings(s)
         for action in store.ensure_schema():
@@ -94,7 +92,7 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
 @click.pass_context
 def history_token_cmd(ctx: click.Context, as_url: bool) -> None:
     """Print the Bearer token of the SQL server and the dashboard (made once if missing)."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     token = history_token(s, create=True)
     click.echo(f"{endpoints(s)['history']}/#token={token}" if as_url else token)
 
@@ -103,7 +101,7 @@ def history_token_cmd(ctx: click.Context, as_url: bool) -> None:
 @click.pass_context
 def history_schema(ctx: click.Context) -> None:
     """Print the CREATE statements of the tables and views (what the sink makes)."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     retention = parse_retention(s.history_retention_days)
     for table in EVENT_FOR_TABLE:
         click.echo(table_ddl(s.history_database, table, retention.get(table, 0)) + ";\n")
@@ -124,7 +122,7 @@ def sql(ctx: click.Context, query: str, fmt: str) -> None:
     `tabloop sql "SELECT * FROM tabloop.acceptance_by_version"`.
     """
     try:
-        result = SqlClient(_settings(ctx)).query(query)
+        result = SqlClient(settings_of(ctx)).query(query)
     except SqlError as exc:
         _fail(str(exc))
     if fmt == "json":
@@ -172,7 +170,7 @@ def replay(ctx: click.Context, topic: str | None, dry_run: bool, source: str, si
         start = dict(parse_offset(o) for o in offsets)
         specs = RewardSpecs.from_yaml(Path(reward_spec)) if reward_spec else None
         selection = Selection(_when(since), _when(until), tuple(projects), tuple(versions), start)
-        summary = run_replay(_settings(ctx), source, selection, None if dry_run else topic, specs)
+        summary = run_replay(settings_of(ctx), source, selection, None if dry_run else topic, specs)
     except (ValueError, SqlError) as exc:
         _fail(str(exc))
     except Exception as exc:  # Kafka down, publish failures: say so without a traceback
@@ -189,7 +187,7 @@ def replay(ctx: click.Context, topic: str | None, dry_run: bool, source: str, si
 @click.pass_context
 def bench_history(ctx: click.Context, n: int, episodes: int) -> None:
     """Rows/s stored by the sink (broker → embedded ClickHouse) and the acceptance-by-version query time."""
-    s = _settings(ctx)
+    s = settings_of(ctx)
     if n <= 2 * s.history_batch_size:
         # The first batch waits for the consumer group to form and is not timed: with fewer events than
         # that the rate would be of one or two batches, or of nothing at all (it printed 0 rows/s).

@@ -13,6 +13,7 @@ import click
 
 from infra.auth import KeyStore
 from infra.errors import TabloopError
+from infra.settings import settings_of
 from rewards.judge import JudgeConfig
 from trainer.metrics import markdown_table
 from trainer.proof.simulate import SimConfig, UserModel, calls_jsonl, records_jsonl, summary_rate
@@ -23,9 +24,6 @@ DATASET_HELP = ("humaneval (humaneval:train: problems 0-99; humaneval:heldout: t
                 "stdlib:heldout, source:DIR[:split], or a JSONL file "
                 "(the recipe's {prompt, solutions} or {prefix, suffix, middle})")
 
-
-def _settings(ctx: click.Context):
-    return ctx.find_root().obj
 
 
 def _error(message: str) -> click.ClickException:
@@ -107,7 +105,7 @@ def simulate(ctx: click.Context, dataset: str, users: int, n_requests: int, dura
     """Many simulated Continue users against the front door; last line: a JSON summary.
 
     DATASET (default stdlib:train): """
-    s = _settings(ctx)
+    s = settings_of(ctx)
     task_list = _tasks(dataset, seed=seed, limit=limit)
     keys = list(api_keys)
     if not keys and s.auth == "keys":
@@ -191,7 +189,7 @@ def eval_command(ctx: click.Context, dataset: str, scorer: str, rule: str, thres
     from policy.models import ModelLoadError
     from trainer.proof.evaluate import evaluate, load_policy, scorer_reward_spec
 
-    s = _settings(ctx)
+    s = settings_of(ctx)
     judge_config = None
     user_model = user_from_options(ctx, scorer, rule, threshold)
     try:
