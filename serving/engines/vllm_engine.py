@@ -37,6 +37,7 @@ for a name (it restarted between two requests): then the request is retried on i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -113,18 +114,26 @@ class VLLMEngine(Engine):
                 "return_token_ids": True, "skip_special_tokens": False}
         if request.seed is not None:
             body["seed"] = request.seed
-        if adapter is not None:  # counted before any await: an unload of it waits for this request
-            self._in_use[adapter] = self._in_use.get(adapter, 0) + 1
-        try:
+        with self._using(adapter):  # counted before any await: an unload of it waits for this request
             async for step in self._stream_from_replicas(body, adapter, version, request):
                 yield step
+
+    @contextlib.contextmanager
+    def _using(self, adapter: str | None):
+        """Count a request (a stream, a candidates read) as using ``adapter``: its unload waits until none does.
+        The last one out of an adapter that left the served set meanwhile unloads it."""
+        if adapter is None:
+            yield
+            return
+        self._in_use[adapter] = self._in_use.get(adapter, 0) + 1
+        try:
+            yield
         finally:
-            if adapter is not None:
-                self._in_use[adapter] -= 1
-                if not self._in_use[adapter]:
-                    del self._in_use[adapter]
-                    if adapter not in self._wanted():  # it left the served set while this request used it
-                        self._spawn(self._unload_unserved())
+            self._in_use[adapter] -= 1
+            if not self._in_use[adapter]:
+                del self._in_use[adapter]
+                if adapter not in self._wanted():
+                    self._spawn(self._unload_unserved())
 
     async def _stream_from_replicas(self, body: dict, adapter: str | None, version: int,
                                     request: GenerationRequest) -> AsyncIterator[TokenStep]:
@@ -196,17 +205,8 @@ class VLLMEngine(Engine):
                 raise RuntimeError("the replica did not return the prompt's log-probabilities (prompt_logprobs: "
                                    f"a vLLM server does): {str(answer)[:300]}") from exc
 
-        if adapter is not None:  # an unload of it waits for these reads, as for a stream
-            self._in_use[adapter] = self._in_use.get(adapter, 0) + 1
-        try:
+        with self._using(adapter):  # an unload of it waits for these reads, as for a stream
             return list(await asyncio.gather(*(one(c) for c in continuations)))
-        finally:
-            if adapter is not None:
-                self._in_use[adapter] -= 1
-                if not self._in_use[adapter]:
-                    del self._in_use[adapter]
-                    if adapter not in self._wanted():
-                        self._spawn(self._unload_unserved())
 
     async def _complete(self, body: dict, adapter: str | None) -> dict:
         """One non-streamed completion, on the first healthy replica that answers (the stream's failover and
