@@ -37,6 +37,11 @@ class SettingsError(ValueError):
     """A setting that can't be used; the message names where it came from."""
 
 
+def _under_state_dir(name: str, doc: str) -> property:
+    """A path under ``state_dir``: where each piece of local state lives, said once."""
+    return property(lambda settings: settings.state_dir / name, doc=doc)
+
+
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -278,30 +283,15 @@ class Settings(BaseModel):
     def effective_clickhouse_url(self) -> str:
         return self.clickhouse_url or f"chdb://{(self.state_dir / 'clickhouse').resolve()}"
 
-    @property
-    def kafka_dir(self) -> Path:
-        return self.state_dir / "kafka"
-
-    @property
-    def spool_dir(self) -> Path:
-        return self.state_dir / "spool"
+    kafka_dir = _under_state_dir("kafka", "The local broker's data and logs.")
+    spool_dir = _under_state_dir("spool", "Feedback the front door acknowledged while Kafka was away.")
+    trainer_dir = _under_state_dir("trainer", "The trainer's logs: trainer.log, metrics.jsonl, tensorboard/.")
+    keys_file = _under_state_dir("keys.json", "The API keys of `tabloop keys`.")
+    history_token_file = _under_state_dir("history.token", "The history service's bearer token.")
 
     @property
     def effective_weight_store(self) -> str:
         return self.weight_store or str((self.state_dir / "weights").resolve())
-
-    @property
-    def trainer_dir(self) -> Path:
-        """The trainer's logs: trainer.log, metrics.jsonl, tensorboard/."""
-        return self.state_dir / "trainer"
-
-    @property
-    def keys_file(self) -> Path:
-        return self.state_dir / "keys.json"
-
-    @property
-    def history_token_file(self) -> Path:
-        return self.state_dir / "history.token"
 
 
 def env_var(field: str) -> str:

@@ -37,6 +37,11 @@ def _old_event(type_name: str, version: int, record: dict) -> bytes:
     return SINGLE_OBJECT_MAGIC + schema_fingerprint(old) + body.getvalue()
 
 
+def _with_ids_as_array(record: dict) -> dict:
+    """``record`` as the versions before packed ids wrote it: the prompt's ids as an array of ints."""
+    return {k: v for k, v in record.items() if k != PACKED} | {"prompt_token_ids": prompt_ids(record)}
+
+
 def _feedback_on(completion: dict) -> dict:
     return new_event("FeedbackReceived", project_id=completion["project_id"], user_id=completion["user_id"],
                      source="continue-fork", completion_id=completion["completion_id"], prompt=None,
@@ -106,8 +111,7 @@ def test_an_old_completion_still_decodes_joins_and_trains_from_its_array():
     codec = Codec()
     served = example_event("CompletionServed", 3).record
     ids = prompt_ids(served)
-    v4 = {k: v for k, v in served.items() if k != PACKED} | {"prompt_token_ids": ids}
-    completion = codec.decode(_old_event("CompletionServed", 4, v4)).record
+    completion = codec.decode(_old_event("CompletionServed", 4, _with_ids_as_array(served))).record
     assert completion["prompt_token_ids"] == ids and completion[PACKED] == b""
     assert codec.decode(codec.encode(Event("CompletionServed", completion))).record == completion  # encodes again
     episode = _episode_of(completion)
@@ -120,8 +124,7 @@ def test_an_old_episode_still_trains_and_old_readers_see_new_events_as_ids_not_r
     codec = Codec()
     episode = example_event("Episode", 4).record
     ids = prompt_ids(episode)
-    v7 = {k: v for k, v in episode.items() if k != PACKED} | {"prompt_token_ids": ids}
-    read = codec.decode(_old_event("Episode", 7, v7)).record
+    read = codec.decode(_old_event("Episode", 7, _with_ids_as_array(episode))).record
     assert episode_sample(read, _NoEncoding(), max_prompt_tokens=2048).prompt_ids == ids
     # A reader still on v7 (a rolling deploy): the array is empty, which it takes as "re-encode the prompt".
     body = io.BytesIO(codec.encode(Event("Episode", episode))[10:])
@@ -140,8 +143,7 @@ def test_the_sink_stores_packed_and_old_ids_as_numbers_and_replay_gives_them_bac
     new = example_event("CompletionServed", 5, rng, prompt_size=300)
     old = example_event("CompletionServed", 6, rng, prompt_size=300)
     old_ids = prompt_ids(old.record)
-    old_bytes = _old_event("CompletionServed", 4, {k: v for k, v in old.record.items() if k != PACKED}
-                           | {"prompt_token_ids": old_ids})
+    old_bytes = _old_event("CompletionServed", 4, _with_ids_as_array(old.record))
     messages = [Received("t.completions", 0, 0, b"k", codec.encode(new), None, None),  # the bulk path
                 Received("t.completions", 0, 1, b"k", old_bytes, None, None)]  # decoded here: an older version
 

@@ -188,18 +188,36 @@ def test_unannounced_version_is_published_on_restart(setup):
     assert [(e.record["version"], e.record["status"]) for e in events] == [(1, "PROMOTED")]
 
 
-def test_the_trainer_runs_its_own_canary_and_decides_it_once(setup):
-    """In canary mode the trainer announces a version as a CANDIDATE beside the promoted one, tallies the
-    episodes of both, and publishes the decision once: the weights topic it re-reads (its own CANDIDATE
-    among them) does not bring the decided canary back."""
+def _trainer_with_a_canary(setup, min_episodes: int, **more_settings):
+    """A trainer whose version 1 (one update on four of the base model's episodes) runs as a canary beside
+    version 0 on half the traffic, decided after ``min_episodes`` of each; its settings beside it."""
     from trainer.online import OnlineTrainer
 
     settings, topic, tok, base = setup
-    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 2})
+    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": min_episodes,
+                                           **more_settings})
     produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
     trainer = OnlineTrainer(settings, topic=topic)
     try:
         trainer.run(max_versions=1)
+    except BaseException:
+        trainer.close()
+        raise
+    return settings, trainer
+
+
+def _decisions_on_version_1(settings, base) -> list[dict]:
+    return [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base
+                                          and e.record["version"] == 1 and e.record["status"] != "CANDIDATE")]
+
+
+def test_the_trainer_runs_its_own_canary_and_decides_it_once(setup):
+    """In canary mode the trainer announces a version as a CANDIDATE beside the promoted one, tallies the
+    episodes of both, and publishes the decision once: the weights topic it re-reads (its own CANDIDATE
+    among them) does not bring the decided canary back."""
+    _, topic, tok, base = setup
+    settings, trainer = _trainer_with_a_canary(setup, min_episodes=2)
+    try:
         announced = find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base)
         assert [(e.record["version"], e.record["status"]) for e in announced] == [(1, "CANDIDATE")]
         metrics = announced[0].record["metrics"]
@@ -212,8 +230,7 @@ def test_the_trainer_runs_its_own_canary_and_decides_it_once(setup):
         assert len(ids) == len(set(ids)), "a WeightVersion record kept twice"
     finally:
         trainer.close()
-    decisions = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base
-                                                and e.record["version"] == 1 and e.record["status"] != "CANDIDATE")]
+    decisions = _decisions_on_version_1(settings, base)
     assert [d["status"] for d in decisions] == ["ROLLED_BACK"]
     assert decisions[0]["metrics"]["canary_candidate_accept_rate"] == 0.0
     assert decisions[0]["metrics"]["canary_baseline_accept_rate"] == 1.0
@@ -227,17 +244,11 @@ def test_the_next_version_waits_for_the_running_canarys_decision(setup, baseline
     the canary undecided (then nothing would ever be promoted). Updates go on; the save waits for the decision,
     and the version saved then holds every update made meanwhile: two, and twelve (more than the old ten saves'
     worth)."""
-    from trainer.online import OnlineTrainer
-    from policy.weight_store import WeightStore
-
-    settings, topic, tok, base = setup
-    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": min_episodes,
-                                           **({"trainer_max_staleness": staleness} if staleness else {})})
+    _, topic, tok, base = setup
+    settings, trainer = _trainer_with_a_canary(
+        setup, min_episodes, **({"trainer_max_staleness": staleness} if staleness else {}))
     store = WeightStore(settings.effective_weight_store, base)
-    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
-    trainer = OnlineTrainer(settings, topic=topic)
     try:
-        trainer.run(max_versions=1)
         assert trainer.canaries[""].candidate == 1
         # Batches of the baseline's episodes only (four to an update): updates, no decision, no save.
         produce(settings, topic, [episode(tok, 100 + i, "acme") for i in range(baseline_episodes)])
@@ -261,14 +272,10 @@ def test_a_canary_is_decided_from_the_head_of_the_topic_not_the_trainers_read_po
     it trains slower than the traffic comes, or works through a backlog): its canary feed reads from the
     canary's start. An episode both readers bring counts once."""
     from trainer.head_feed import HeadFeed
-    from trainer.online import OnlineTrainer
 
-    settings, topic, tok, base = setup
-    settings = settings.model_copy(update={"canary_share": 0.5, "canary_min_episodes": 3})
-    produce(settings, topic, [episode(tok, i, "acme") for i in range(4)])
-    trainer = OnlineTrainer(settings, topic=topic)
+    _, topic, tok, base = setup
+    settings, trainer = _trainer_with_a_canary(setup, min_episodes=3)
     try:
-        trainer.run(max_versions=1)
         tally = trainer.canaries[""]
         # Episodes from before the canary started are not its: the feed seeks past them (or the tally drops them).
         produce(settings, topic, [episode(tok, 10 + i, "acme", policy_version=1) for i in range(3)]
@@ -289,8 +296,7 @@ def test_a_canary_is_decided_from_the_head_of_the_topic_not_the_trainers_read_po
         if trainer.head_feed is not None:
             trainer.head_feed.close()
         trainer.close()
-    decisions = [e.record for e in find_events(settings, WEIGHTS.name, lambda e: e.record["base_model"] == base
-                                                and e.record["version"] == 1 and e.record["status"] != "CANDIDATE")]
+    decisions = _decisions_on_version_1(settings, base)
     assert [d["status"] for d in decisions] == ["PROMOTED"]  # 3 of 3 accepted against 1 of 3
     assert decisions[0]["metrics"]["canary_candidate_episodes"] == 3.0
 

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -571,22 +571,26 @@ def catalog_topics() -> dict[str, str]:
 
 @dataclass
 class SinkStats:
+    """What the sink has done since it started: its status page (``tabloop history serve``) and its last log line."""
+
     batches: int = 0
     stored: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Rows stored, per table."""
     skipped_already_stored: int = 0
+    """Messages found stored already (read again after a restart that came before their commit)."""
     rejects: int = 0
+    """Messages that are not events of their topic's type, kept in the rejects table."""
     commit_failures: int = 0
     uncommitted_rows: int = 0
-    last_batch_at: float = 0.0
+    """Stored since the last offset commit that went through: what a restart would read again and skip."""
     # Where the time goes: waiting for and reading messages, and storing them (the engine's inserts).
     polling_s: float = 0.0
     storing_s: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"batches": self.batches, "stored": dict(self.stored), "rejects": self.rejects,
-                "skipped_already_stored": self.skipped_already_stored,
-                "commit_failures": self.commit_failures, "uncommitted_rows": self.uncommitted_rows,
-                "polling_s": round(self.polling_s, 3), "storing_s": round(self.storing_s, 3)}
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: round(value, 3) if isinstance(value, float) else dict(value) if isinstance(value, dict)
+                else value for name, value in values.items()}
 
 
 class HistorySink:
@@ -744,7 +748,6 @@ class HistorySink:
                 raise
             log.warning("offsets of a stored batch not committed (%s); a later commit covers them", exc)
         self.stats.batches += 1
-        self.stats.last_batch_at = time.time()
         return len(batch)
 
     def run(self, stop: threading.Event, on_batch: Callable[[int], None] | None = None) -> None:
