@@ -141,42 +141,58 @@ class VLLMEngine(Engine):
         for url in self._healthy_urls():
             emitted = False
             try:
-                for attempt in (1, 2):
-                    if url not in self._synced:
-                        await self._sync(url)
-                    body["model"] = adapter or self._base_names[url]
-                    async with self._http.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                        if resp.status_code == 404 and attempt == 1:
-                            # The replica does not know the name: it restarted (without its adapters) or was
-                            # started under another name since it was asked. Ask it again, retry once.
-                            log.warning("replica %s does not know model %s: bringing it to the served set",
-                                        url, body["model"])
-                            self._synced.discard(url)
+                resp = await self._send(url, body, adapter, stream=True)
+                try:
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: "):
                             continue
-                        if resp.status_code >= 500:
-                            raise httpx.HTTPStatusError(f"{resp.status_code}", request=resp.request, response=resp)
-                        if resp.status_code >= 400:
-                            detail = (await resp.aread()).decode(errors="replace")[:500]
-                            raise RuntimeError(f"replica {url} refused the request ({resp.status_code}): {detail}")
-                        async for line in resp.aiter_lines():
-                            if not line.startswith("data: "):
-                                continue
-                            data = line[6:]
-                            if data == "[DONE]":
-                                return
-                            for step in _steps(json.loads(data), version,
-                                               greedy=request.temperature <= GREEDY_TEMPERATURE):
-                                emitted = True
-                                yield step
-                        return
+                        data = line[6:]
+                        if data == "[DONE]":
+                            return
+                        for step in _steps(json.loads(data), version,
+                                           greedy=request.temperature <= GREEDY_TEMPERATURE):
+                            emitted = True
+                            yield step
+                    return
+                finally:
+                    await resp.aclose()
             except (httpx.TransportError, httpx.HTTPStatusError, ReplicaOutOfStep) as exc:
                 last_error = exc
-                self._down_until[url] = time.monotonic() + UNHEALTHY_FOR_S
-                self._synced.discard(url)  # it may come back restarted, holding no adapter
-                log.warning("replica %s failed: %s", url, exc)
+                self._mark_down(url, exc)
                 if emitted:  # tokens already went to the client: don't splice another replica's
                     raise RuntimeError(f"replica {url} failed mid-completion: {exc}") from exc
         raise RuntimeError(f"no vLLM replica answered: {last_error}")
+
+    async def _send(self, url: str, body: dict, adapter: str | None, *, stream: bool) -> httpx.Response:
+        """POST ``body`` to the replica's completions under the adapter's name (or its base model's): the answer
+        (a stream still open, for the caller to read and close) once the replica took the request. A replica that
+        does not know the name restarted (without its adapters) or was started under another name since it was
+        asked: it is brought to the served set and asked once more. A 5xx raises ``HTTPStatusError`` (the caller
+        tries another replica), any other refusal ``RuntimeError`` (the request itself is at fault)."""
+        for attempt in (1, 2):
+            if url not in self._synced:
+                await self._sync(url)
+            model = adapter or self._base_names[url]
+            resp = await self._http.send(self._http.build_request("POST", f"{url}/v1/completions",
+                                                                  json={**body, "model": model}), stream=stream)
+            if resp.status_code < 400:
+                return resp
+            detail = (await resp.aread()).decode(errors="replace")[:500]
+            await resp.aclose()
+            if resp.status_code == 404 and attempt == 1:
+                log.warning("replica %s does not know model %s: bringing it to the served set", url, model)
+                self._synced.discard(url)
+                continue
+            if resp.status_code >= 500:
+                raise httpx.HTTPStatusError(f"{resp.status_code}", request=resp.request, response=resp)
+            raise RuntimeError(f"replica {url} refused the request ({resp.status_code}): {detail}")
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _mark_down(self, url: str, exc: Exception) -> None:
+        """Skip the replica for ``UNHEALTHY_FOR_S``; it may come back restarted, holding no adapter."""
+        self._down_until[url] = time.monotonic() + UNHEALTHY_FOR_S
+        self._synced.discard(url)
+        log.warning("replica %s failed: %s", url, exc)
 
     reads_candidates = True
 
@@ -210,29 +226,14 @@ class VLLMEngine(Engine):
 
     async def _complete(self, body: dict, adapter: str | None) -> dict:
         """One non-streamed completion, on the first healthy replica that answers (the stream's failover and
-        its one retry after a 404 for a name the replica forgot)."""
+        its one retry after a 404 for a name the replica forgot, through ``_send``)."""
         last_error: Exception | None = None
         for url in self._healthy_urls():
             try:
-                for attempt in (1, 2):
-                    if url not in self._synced:
-                        await self._sync(url)
-                    resp = await self._http.post(f"{url}/v1/completions",
-                                                 json={**body, "model": adapter or self._base_names[url]})
-                    if resp.status_code == 404 and attempt == 1:
-                        self._synced.discard(url)
-                        continue
-                    if resp.status_code >= 500:
-                        raise httpx.HTTPStatusError(f"{resp.status_code}", request=resp.request, response=resp)
-                    if resp.status_code >= 400:
-                        raise RuntimeError(f"replica {url} refused the request ({resp.status_code}): "
-                                           f"{resp.text[:500]}")
-                    return resp.json()
+                return (await self._send(url, body, adapter, stream=False)).json()
             except (httpx.TransportError, httpx.HTTPStatusError, ReplicaOutOfStep) as exc:
                 last_error = exc
-                self._down_until[url] = time.monotonic() + UNHEALTHY_FOR_S
-                self._synced.discard(url)
-                log.warning("replica %s failed: %s", url, exc)
+                self._mark_down(url, exc)
         raise RuntimeError(f"no vLLM replica answered: {last_error}")
 
     async def load_version(self, version: int, uri: str, kind: str, *, project: str = "") -> None:
