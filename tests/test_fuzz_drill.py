@@ -1,5 +1,6 @@
 """The seeded fault fuzzer (issue 44): schedules drawn from a seed, the invariants' arithmetic by hand, the
-command's errors, and (a drill) the issue's six-duplicate case plus one drawn seed on a real system."""
+command's errors, and (a drill) the issue's six-duplicate case, a worker's exit 76 and its successor's takeover
+(the broker frozen past the transaction timeout) plus one drawn seed on a real system."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from tabloop.fuzz import (FAULT_KINDS, NAMED_SCHEDULES, TARGETS, Fault, SeedRun, draw_schedule, episode_violations,
                           replay_command, violation_keys)
+from streams.upstream import TRANSACTION_TIMEOUT_S
 from tests.system_helpers import ROOT
 
 CI_SEED = 6  # one drawn schedule in CI: a second worker joins, the trainer is killed, a worker race (2 ms)
@@ -51,6 +53,9 @@ def test_bad_schedules_are_refused_with_what_is_wrong():
 
 def test_the_named_schedules_are_the_issues_cases():
     assert NAMED_SCHEDULES["kafka-30s"] == (Fault(5.0, "kafka_stop", "kafka", 30.0),)
+    # Longer than a transaction may stay open: the broker aborts the worker's transactions as it wakes.
+    (freeze,) = NAMED_SCHEDULES["kafka-paused-45s"]
+    assert freeze.kind == "kafka_pause" and freeze.hold_s > TRANSACTION_TIMEOUT_S
     (race,) = NAMED_SCHEDULES["race-50ms"]
     assert race.kind == "join_race" and race.delay_ms == 50
 
@@ -95,20 +100,21 @@ def test_the_command_refuses_an_unknown_schedule_before_starting_anything(tmp_pa
                            "--workdir", str(tmp_path / "fuzz"), "--model", "unused"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode != 0
-    assert "unknown named schedule(s) ['nope']: one of ['kafka-30s', 'race-50ms']" in done.stderr
+    assert "unknown named schedule(s) ['nope']: one of ['kafka-30s', 'kafka-paused-45s', 'race-50ms']" in done.stderr
     assert not (tmp_path / "fuzz").exists()
 
 
 @pytest.mark.drill
 @pytest.mark.kafka
 @pytest.mark.timeout(1200)
-def test_fuzzer_finds_no_violation_on_the_known_case_and_a_drawn_seed(tiny_model, tmp_path, capsys):
+def test_fuzzer_finds_no_violation_on_the_known_cases_and_a_drawn_seed(tiny_model, tmp_path, capsys):
     from tabloop.fuzz import fuzz
 
     lines: list[str] = []
-    runs = fuzz(1, CI_SEED, CI_LOAD_S, tmp_path, model=tiny_model, echo=lines.append, named=("kafka-30s",))
+    runs = fuzz(1, CI_SEED, CI_LOAD_S, tmp_path, model=tiny_model, echo=lines.append,
+                named=("kafka-30s", "kafka-paused-45s"))
     with capsys.disabled():
         print("\n".join(lines))
-    assert [r.seed for r in runs] == ["kafka-30s", CI_SEED]
+    assert [r.seed for r in runs] == ["kafka-30s", "kafka-paused-45s", CI_SEED]
     assert all(r.facts.get("acknowledged") for r in runs), [r.facts for r in runs]
     assert [(r.seed, r.violations) for r in runs if r.violations] == [], "\n".join(lines)
