@@ -46,8 +46,7 @@ from streams.join_state import JoinState
 from streams.legacy import LEGACY_KEY, LEGACY_STAGES, LegacyMove
 from rewards.spec import RewardSpecs
 from rewards.scoring import Scorers, rescored
-from streams.upstream import (GROUP_SESSION_TIMEOUT_S, ChangelogWrites, StreamsApp, TransactionalTable, dead_producers,
-                              send_raw)
+from streams.upstream import ChangelogWrites, StreamsApp, TransactionalTable, dead_producers, send_raw
 
 log = logging.getLogger("tabloop.streams")
 APP_ID = "tabloop-streams"
@@ -88,7 +87,6 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         # interval that already bounds each hop's latency (``streams_commit_interval_s``).
         producer_linger_ms=PRODUCER_LINGER_MS, producer_max_batch_size=PRODUCER_MAX_BATCH_BYTES,
         broker_commit_interval=settings.streams_commit_interval_s,
-        broker_session_timeout=GROUP_SESSION_TIMEOUT_S,
     )
     app.tabloop_processing = asyncio.Lock()
     app.tabloop_changes = ChangelogWrites(app)

@@ -47,15 +47,6 @@ TRANSACTION_TIMEOUT_S = 30.0
 was killed, paused or cut off holds every read_committed reader of its partitions (the trainer, the
 history sink) behind it until its worker's successor fences it or the broker times it out: this bounds
 that wait. It must stay above the longest a healthy commit can take (a broker that is back but slow)."""
-GROUP_SESSION_TIMEOUT_S = 10.0
-"""How long the broker waits for a streams worker's heartbeat before it hands the worker's partitions to the
-others (Faust's default is 60 s). A worker that is gone without leaving the group (SIGKILLed, or ended by
-``exit_for_a_clean_start``, an ``os._exit``) keeps its partitions that long: its successor, up within seconds,
-joins the group only then, and only then fences the dead worker's open transactions. At 60 s a transaction
-left open after a Kafka outage outlived the transaction timeout and held a read_committed reader 70 s (CI,
-the fuzzer's ``kafka-30s``); at 10 s the successor fences it well before ``TRANSACTION_TIMEOUT_S``. Kafka's
-own default before 3.0 (raised then for flaky cloud networks, not a concern of one machine or a team's
-cluster); Faust heartbeats every 3 s, three to a session."""
 REVOKE_COMMIT_TIMEOUT_S = 20.0
 """How long the commit before a rebalance may take (a broker that is back but slow) before the worker gives
 up on it and exits: under the broker's rebalance timeout, which would otherwise expel the worker."""

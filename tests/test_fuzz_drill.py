@@ -1,6 +1,5 @@
 """The seeded fault fuzzer (issue 44): schedules drawn from a seed, the invariants' arithmetic by hand, the
-command's errors, and (a drill) the issue's six-duplicate case, a worker's exit 76 and its successor's takeover
-(the broker frozen past the transaction timeout) plus one drawn seed on a real system."""
+command's errors, and (a drill) the issue's six-duplicate case plus one drawn seed on a real system."""
 
 from __future__ import annotations
 
@@ -107,14 +106,13 @@ def test_the_command_refuses_an_unknown_schedule_before_starting_anything(tmp_pa
 @pytest.mark.drill
 @pytest.mark.kafka
 @pytest.mark.timeout(1200)
-def test_fuzzer_finds_no_violation_on_the_known_cases_and_a_drawn_seed(tiny_model, tmp_path, capsys):
+def test_fuzzer_finds_no_violation_on_the_known_case_and_a_drawn_seed(tiny_model, tmp_path, capsys):
     from tabloop.fuzz import fuzz
 
     lines: list[str] = []
-    runs = fuzz(1, CI_SEED, CI_LOAD_S, tmp_path, model=tiny_model, echo=lines.append,
-                named=("kafka-30s", "kafka-paused-45s"))
+    runs = fuzz(1, CI_SEED, CI_LOAD_S, tmp_path, model=tiny_model, echo=lines.append, named=("kafka-30s",))
     with capsys.disabled():
         print("\n".join(lines))
-    assert [r.seed for r in runs] == ["kafka-30s", "kafka-paused-45s", CI_SEED]
+    assert [r.seed for r in runs] == ["kafka-30s", CI_SEED]
     assert all(r.facts.get("acknowledged") for r in runs), [r.facts for r in runs]
     assert [(r.seed, r.violations) for r in runs if r.violations] == [], "\n".join(lines)

@@ -16,8 +16,8 @@ from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 
 from infra.bus import admin_client, ensure_topics
 from streams.app import build_app
-from streams.upstream import (GROUP_SESSION_TIMEOUT_S, TRANSACTION_TIMEOUT_S, ListedHighwatersThread, SeekSafeConsumer,
-                              StreamsApp, transaction_has_output)
+from streams.upstream import (TRANSACTION_TIMEOUT_S, ListedHighwatersThread, SeekSafeConsumer, StreamsApp,
+                              transaction_has_output)
 from tests.conftest import make_settings
 from tests.serving_helpers import unique
 from tests.system_helpers import poll
@@ -284,20 +284,6 @@ def test_the_workers_transactions_time_out_after_the_projects_timeout(tmp_path):
 
     assert TRANSACTION_TIMEOUT_S < 60
     assert asyncio.run(timeout_ms()) == int(TRANSACTION_TIMEOUT_S * 1000)
-
-
-def test_a_dead_workers_partitions_go_to_its_successor_well_within_the_transaction_timeout(tmp_path):
-    """A worker gone without leaving the group (SIGKILL, exit 76) keeps its partitions until its session
-    expires; only then does its successor join and fence its open transactions. The worker's consumer asks
-    for GROUP_SESSION_TIMEOUT_S, not Faust's 60 s, which outlived the 30 s transaction timeout and held a
-    reader 70 s after a Kafka outage (issue 44)."""
-    app = build_app(make_settings(tmp_path))
-
-    async def session_timeout_ms() -> int:
-        return app.consumer._thread._create_worker_consumer(app.transport)._session_timeout_ms
-
-    assert asyncio.run(session_timeout_ms()) == int(GROUP_SESSION_TIMEOUT_S * 1000)
-    assert 3 * app.conf.broker_heartbeat_interval <= GROUP_SESSION_TIMEOUT_S <= TRANSACTION_TIMEOUT_S / 2
 
 
 @pytest.mark.kafka
