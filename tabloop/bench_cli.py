@@ -14,7 +14,7 @@ from infra.errors import TabloopError
 from infra.settings import settings_of
 from tabloop import bench as benches
 from tabloop.bench_vllm import bench_serving_vllm
-from tabloop.fuzz import fuzz
+from tabloop.fuzz import NAMED_SCHEDULES, fuzz
 
 
 
@@ -94,7 +94,8 @@ def bench_adapters(ctx: click.Context, rows: int, adapters: int, rounds: int, ra
 @click.option("--seeds", type=click.IntRange(min=0), default=3, show_default=True,
               help="how many drawn schedules to run")
 @click.option("--first-seed", type=int, default=0, show_default=True, help="the seed of the first schedule")
-@click.option("--named", multiple=True, help="a named schedule to run first (kafka-30s, kafka-paused-45s, race-50ms); repeatable")
+@click.option("--named", multiple=True,
+              help=f"a named schedule to run first ({', '.join(NAMED_SCHEDULES)}); repeatable")
 @click.option("--load-s", type=click.FloatRange(min=10), default=30.0, show_default=True,
               help="seconds of simulated Continue load per seed (longer when a fault outlasts it)")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
+from streams.upstream import TRANSACTION_TIMEOUT_S
 from tabloop.fuzz import (FAULT_KINDS, NAMED_SCHEDULES, TARGETS, Fault, SeedRun, draw_schedule, episode_violations,
                           replay_command, violation_keys)
-from streams.upstream import TRANSACTION_TIMEOUT_S
 from tests.system_helpers import ROOT
 
 CI_SEED = 6  # one drawn schedule in CI: a second worker joins, the trainer is killed, a worker race (2 ms)

@@ -40,7 +40,7 @@ def test_target_version_rule():
     assert target_version(None, promoted, base, fallback=None) == (3, "/w/3", "LORA")
 
 
-def make_lora(base_dir: str, out_dir, seed: int = 0) -> str:
+def make_lora(base_dir: str, out_dir) -> str:
     """A random LoRA adapter that changes what the tiny model says.
 
     Seeded, so a test sees the same adapter every run; scaled (alpha 32 on rank 4) so that it moves the tiny
@@ -53,8 +53,8 @@ def make_lora(base_dir: str, out_dir, seed: int = 0) -> str:
 
     model, _ = load_model(base_dir)
     config = LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):  # as policy.models.build_tiny_model seeds: the caller's stream untouched
+        torch.manual_seed(0)
         peft_model = get_peft_model(model, config)
     peft_model.save_pretrained(out_dir)
     return str(out_dir)
