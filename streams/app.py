@@ -46,7 +46,8 @@ from streams.join_state import JoinState
 from streams.legacy import LEGACY_KEY, LEGACY_STAGES, LegacyMove
 from rewards.spec import RewardSpecs
 from rewards.scoring import Scorers, rescored
-from streams.upstream import ChangelogWrites, StreamsApp, TransactionalTable, dead_producers, send_raw
+from streams.upstream import (ChangelogWrites, StreamsApp, TransactionalTable, dead_producers, leave_group,
+                              send_raw)
 
 log = logging.getLogger("tabloop.streams")
 APP_ID = "tabloop-streams"
@@ -334,6 +335,7 @@ class Topology:
         if dead:
             log.error("Kafka producer(s) %s died (aiokafka's sender routine ended); exiting with code %d for a "
                       "fresh worker to take over", ", ".join(dead), EXIT_PRODUCER_DIED)
+            leave_group(self.app.consumer)
             logging.shutdown()
             os._exit(EXIT_PRODUCER_DIED)
 
