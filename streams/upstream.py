@@ -18,6 +18,9 @@ touches (tests/test_streams*.py, the fault drills). ``StreamsApp`` wires them in
 - ``SeekSafeConsumer.on_partitions_revoked`` and ``SourceBoundTransactions.on_rebalance``: nothing
   uncommitted outlives a rebalance (Faust forgets the acks before it commits; the open transaction of a
   partition the worker keeps then went on and took the re-read input's output a second time: issue 44).
+- ``SeekSafeConsumer.perform_seek`` with ``behind_own_commits``: the seek after a rebalance goes no further back
+  than the worker's own last commit (the broker may still answer the offset from before it: aiokafka's
+  OffsetFetch cannot ask for KIP-447's stable offsets).
 - ``SourceBoundTransactions.commit``: a commit that fails ends the worker at once (Faust swallows a fenced
   producer, or stops gracefully while still committing, its transactions open meanwhile: issue 44).
 """
@@ -299,6 +302,22 @@ class SourceBoundTransactions(TransactionManager):
                                    revoked, newly_assigned)
 
 
+def behind_own_commits(own_commits: dict, answered: dict) -> dict:
+    """The partitions whose committed offset as the broker answered it (None: none) is below the one this
+    process committed itself, with the latter.
+
+    A transaction's offsets become readable (OffsetFetch) only when its commit marker reaches the group's
+    offsets partition, which happens after the commit call returns: measured here (a local broker, aiokafka's
+    ``committed()`` at once after ``commit_transaction``), 244 of 300 answers were the offset before the commit,
+    fresh only 9-45 ms later; a broker that has just come back writes its markers later still. KIP-447's
+    ``require_stable`` would make the broker wait, but aiokafka's OffsetFetch (v3) cannot ask for it. A worker
+    that keeps a partition across a rebalance commits just before it and seeks to the answer just after: a
+    stale answer re-reads input whose output is committed, and commits it a second time. Committed offsets only
+    move forward while the worker runs, so its own last commit is a floor."""
+    return {tp: own_commits[tp] for tp, offset in answered.items()
+            if tp in own_commits and (offset or 0) < own_commits[tp]}
+
+
 class BoundedTransactionsProducer(AIOKafkaProducer):
     """Faust's aiokafka producer whose transactional producers time out after ``TRANSACTION_TIMEOUT_S``
     (Faust passes no transaction timeout, so aiokafka's 60 s applied)."""
@@ -368,6 +387,7 @@ class SeekSafeConsumer(AIOKafkaConsumer):
         self._handed: dict[int, tuple] = {}  # id(message) -> (tp, epoch) of messages handed on
         self._last_handed: dict = {}  # tp -> (offset, epoch) of the message the fetch loop holds
         self._read_offset = _ReadOffsets(self)
+        self._own_commits: dict = {}  # tp -> the offset this process last committed; kept across rebalances
 
     async def on_partitions_revoked(self, revoked) -> None:
         """Commit what was processed, then let Faust forget it. Faust drops every revoked partition's acks
@@ -392,6 +412,13 @@ class SeekSafeConsumer(AIOKafkaConsumer):
                 return
         raise RuntimeError(f"acked offsets still uncommitted after five commits: "
                            f"{self._filter_committable_offsets(list(self._acked))}")
+
+    async def _commit_offsets(self, offsets, start_new_transaction: bool = True) -> bool:
+        did_commit = await super()._commit_offsets(offsets, start_new_transaction)
+        if did_commit:
+            assignment = self.assignment()
+            self._own_commits.update({tp: offset for tp, offset in offsets.items() if tp in assignment})
+        return did_commit
 
     def committed_offset(self, tp) -> int | None:
         """The partition's committed offset as this consumer last set or learned it (the next offset to
@@ -426,6 +453,15 @@ class SeekSafeConsumer(AIOKafkaConsumer):
     async def perform_seek(self) -> None:
         try:
             await super().perform_seek()
+            # The broker may answer a committed offset from before this process's own last commit: see
+            # ``behind_own_commits``. Read on from what was committed.
+            stream_partitions = [tp for tp in self.assignment() if not self._is_changelog_tp(tp)]
+            behind = behind_own_commits(self._own_commits, {tp: self.committed_offset(tp) for tp in stream_partitions})
+            for tp, offset in behind.items():
+                log.info("%s: the broker answered committed offset %s, this worker committed %d: seeking there",
+                         tp, self.committed_offset(tp), offset)
+                await self.seek(tp, offset)
+                self._committed_offset[tp] = offset
             # aiokafka seeks only partitions with an offset committed above 0 and leaves the others where its
             # fetches got to; what it handed over and Faust then skipped (a partition paused as a rebalance
             # began while its fetch was out) would never come again. Nothing committed means nothing
