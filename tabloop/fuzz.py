@@ -84,9 +84,10 @@ NAMED_SCHEDULES: dict[str, tuple[Fault, ...]] = {
     # The six-duplicate case: the broker stopped for 30 s under load, nothing killed.
     "kafka-30s": (Fault(5.0, "kafka_stop", "kafka", 30.0),),
     # The broker frozen longer than a transaction may stay open: as it wakes it aborts the worker's open
-    # transactions, the worker's commit is fenced and it exits (76) without leaving the group; its successor
-    # gets the partitions only when the dead member's session expires (Faust's 60 s; see docs/streams.md and
-    # ``settle_s``). CI's kafka-30s came out this way once (the broker slow to come back): a reader held 70 s.
+    # transactions, the worker's commit is fenced and it exits (76), leaving the group first
+    # (``streams.upstream.leave_group``), so its successor takes the partitions over as soon as it starts
+    # (before that: when the dead member's 60 s session expired, which ``settle_s`` showed; docs/streams.md).
+    # CI's kafka-30s came out this way once (the broker slow to come back): a reader held 70 s.
     "kafka-paused-45s": (Fault(5.0, "kafka_pause", "kafka", 45.0),),
     # A second worker 50 ms after the (restarted) first one's first assignment.
     "race-50ms": (Fault(5.0, "join_race", "streams", 20.0, 50),),
