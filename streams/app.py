@@ -46,8 +46,8 @@ from streams.join_state import JoinState
 from streams.legacy import LEGACY_KEY, LEGACY_STAGES, LegacyMove
 from rewards.spec import RewardSpecs
 from rewards.scoring import Scorers, rescored
-from streams.upstream import (ChangelogWrites, StreamsApp, TransactionalTable, dead_producers, leave_group,
-                              send_raw)
+from streams.upstream import (ChangelogWrites, MarkerAwareTables, StreamsApp, TransactionalTable, dead_producers,
+                              leave_group, send_raw)
 
 log = logging.getLogger("tabloop.streams")
 APP_ID = "tabloop-streams"
@@ -80,7 +80,7 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         processing_guarantee=guarantee, topic_partitions=settings.topic_partitions,
         topic_replication_factor=settings.topic_replication, web_enabled=False, key_serializer="raw",
         value_serializer="json", consumer_auto_offset_reset="earliest", datadir=str(settings.state_dir / "streams"),
-        Table=TransactionalTable,
+        Table=TransactionalTable, TableManager=MarkerAwareTables,
         # Few, full produce requests: writing them is the largest cost of the worker (aiokafka's sender
         # was 28 % of its CPU in a py-spy profile of `tabloop bench pipeline`, most of it socket writes).
         # With exactly-once, each transactional producer (one per source partition) sent a request every

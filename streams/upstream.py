@@ -23,6 +23,10 @@ touches (tests/test_streams*.py, the fault drills). ``StreamsApp`` wires them in
   OffsetFetch cannot ask for KIP-447's stable offsets).
 - ``SourceBoundTransactions.commit``: a commit that fails ends the worker at once (Faust swallows a fenced
   producer, or stops gracefully while still committing, its transactions open meanwhile: issue 44).
+- ``BoundedTransactionsProducer.commit_transactions``: the source partitions' transactions commit side by side
+  (Faust commits them one after another: an episode in the last waited for all the others).
+- ``MarkerAwareRecovery``: table recovery reads a changelog up to its last committed record (Faust waited
+  10-15 s for a record at the offset of the final commit marker, which never comes).
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ import logging
 import os
 from collections import defaultdict
 
+import aiokafka
 import faust
 from aiokafka import TopicPartition
 from aiokafka.errors import (CoordinatorLoadInProgressError, CoordinatorNotAvailableError, KafkaError,
                              NotCoordinatorError)
 from aiokafka.protocol.group import LeaveGroupRequest
 from faust import current_event
+from faust.tables.manager import TableManager
+from faust.tables.recovery import Recovery
 from faust.transport.consumer import TransactionManager
 from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
@@ -320,7 +327,7 @@ def behind_own_commits(own_commits: dict, answered: dict) -> dict:
 
 class BoundedTransactionsProducer(AIOKafkaProducer):
     """Faust's aiokafka producer whose transactional producers time out after ``TRANSACTION_TIMEOUT_S``
-    (Faust passes no transaction timeout, so aiokafka's 60 s applied)."""
+    (Faust passes no transaction timeout, so aiokafka's 60 s applied) and commit side by side."""
 
     def _settings_extra(self):
         extra = dict(super()._settings_extra())
@@ -622,6 +629,86 @@ class SeekSafeConsumer(AIOKafkaConsumer):
             return False
         self._handed.pop(id(message), None)
         return super().ack(message)
+
+
+CHANGELOG_TAIL_RECORDS = 256
+"""How far back from a changelog partition's end ``last_committed_offsets`` reads for its last committed record:
+more than one commit interval's table writes to one partition (a key is written once per commit)."""
+CHANGELOG_TAIL_TIMEOUT_S = 5.0
+"""How long that read may take before recovery falls back to Faust's own wait (below)."""
+
+
+async def last_committed_offsets(bootstrap: str, ends: dict, *, tail: int = CHANGELOG_TAIL_RECORDS,
+                                 timeout_s: float = CHANGELOG_TAIL_TIMEOUT_S) -> dict:
+    """The offset of the last record a read_committed reader gets below each partition's end (``ends``: tp ->
+    its end, the last stable offset), read from at most ``tail`` records before it. A partition whose tail
+    holds no committed record (aborted transactions only), or that is not read to its end in ``timeout_s``,
+    is left out."""
+    ends = {TopicPartition(tp.topic, tp.partition): end for tp, end in ends.items() if end > 0}
+    if not ends:
+        return {}
+    consumer = aiokafka.AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                                         enable_auto_commit=False, group_id=None)
+    await consumer.start()
+    try:
+        consumer.assign(list(ends))
+        for tp, end in ends.items():
+            consumer.seek(tp, max(0, end - tail))
+        last: dict = {}
+        reading = set(ends)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while reading and asyncio.get_running_loop().time() < deadline:
+            for tp, records in (await consumer.getmany(*reading, timeout_ms=100)).items():
+                last[tp] = max([last.get(tp, -1)] + [r.offset for r in records if r.offset < ends[tp]])
+            for tp in list(reading):
+                if await consumer.position(tp) >= ends[tp]:  # read past the end's markers
+                    reading.discard(tp)
+        return {tp: offset for tp, offset in last.items() if tp not in reading and offset >= 0}
+    finally:
+        await consumer.stop()
+
+
+class MarkerAwareRecovery(Recovery):
+    """Faust's table recovery, told where each active changelog partition's committed records end.
+
+    Faust reads a changelog up to its end minus one, the offset it takes for the last record. Under
+    exactly_once the last offset is a transaction's commit marker, which no reader is ever handed, so
+    recovery waited for a record that never comes, until two 5 s timeouts of its read loop had passed
+    ("Aborted tx until highwater"): 10-15 s without processing after every rebalance and restart (the
+    fuzzer's takeovers, issue 44). The end Faust reads to is lowered to the last committed record, found
+    by reading the partition's tail; where that read finds none, Faust's own wait stays."""
+
+    async def _build_highwaters(self, consumer, tps, destination, title: str) -> None:
+        await super()._build_highwaters(consumer, tps, destination, title)
+        if title != "active" or not self.app.in_transaction:
+            return
+        ends = {tp: destination[tp] + 1 for tp in tps if destination.get(tp) is not None}
+        bootstrap = ",".join(f"{url.host}:{url.port or 9092}" for url in self.app.conf.broker)
+        try:
+            found = await last_committed_offsets(bootstrap, ends)
+        except Exception as exc:  # noqa: BLE001 - Faust's own wait is the fallback
+            log.warning("could not read the changelogs' last committed records (%r): recovery waits as Faust "
+                        "does", exc)
+            return
+        lowered = {}
+        for tp in tps:
+            offset = found.get(TopicPartition(tp.topic, tp.partition))
+            if offset is not None and offset < destination[tp]:
+                destination[tp] = lowered[tp] = offset
+        if lowered:
+            log.info("changelog partitions whose last committed record comes before their end (a transaction "
+                     "marker): recovery reads up to %s",
+                     {f"{tp.topic}[{tp.partition}]": offset for tp, offset in lowered.items()})
+
+
+class MarkerAwareTables(TableManager):
+    """Faust's table manager with ``MarkerAwareRecovery`` (its ``recovery`` property builds Faust's own)."""
+
+    @property
+    def recovery(self) -> Recovery:
+        if self._recovery is None:
+            self._recovery = MarkerAwareRecovery(self.app, self, beacon=self.beacon, loop=self.loop)
+        return self._recovery
 
 
 class StreamsApp(faust.App):

@@ -17,7 +17,7 @@ from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from infra.bus import admin_client, ensure_topics
 from streams.app import build_app
 from streams.upstream import (TRANSACTION_TIMEOUT_S, ChangelogWrites, ListedHighwatersThread, SeekSafeConsumer,
-                              StreamsApp, behind_own_commits, transaction_has_output)
+                              StreamsApp, behind_own_commits, last_committed_offsets, transaction_has_output)
 from tests.conftest import make_settings
 from tests.serving_helpers import unique
 from tests.system_helpers import poll
@@ -374,3 +374,37 @@ def test_a_committed_offset_answered_below_the_workers_own_commit_is_raised_to_i
     assert behind_own_commits(own, answered) == {"a": 10, "c": 5}
     assert behind_own_commits(own, {"a": 12}) == {}  # another worker committed past ours since: its answer stands
     assert behind_own_commits({}, answered) == {}
+
+
+@pytest.mark.kafka
+def test_the_last_committed_record_of_a_partition_is_found_behind_its_markers_and_aborted_records(kafka, tmp_path):
+    """What ``MarkerAwareRecovery`` lowers Faust's recovery end to: on partition 0, records 0-2 committed (3 is
+    their commit marker), 4-5 aborted (6 its marker): the end is 7, the last committed record 2. Partition 1
+    holds only an aborted transaction: no committed record, left out (Faust's own wait stays). Read from a tail
+    of 3 records before the end, partition 0 shows no committed record either, and is left out."""
+    settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap)
+    topic = unique("changelog-tail")
+    admin = admin_client(settings)
+    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
+
+    async def write() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, transactional_id=unique("tx"))
+        await producer.start()
+        try:
+            await producer.begin_transaction()
+            for value in (b"a", b"b", b"c"):
+                await producer.send_and_wait(topic, value, partition=0)
+            await producer.commit_transaction()
+            await producer.begin_transaction()
+            for partition in (0, 0, 1):
+                await producer.send_and_wait(topic, b"x", partition=partition)
+            await producer.abort_transaction()
+        finally:
+            await producer.stop()
+
+    asyncio.run(write())
+    tp0, tp1 = TopicPartition(topic, 0), TopicPartition(topic, 1)
+    ends = {tp0: 7, tp1: 2}
+    assert asyncio.run(last_committed_offsets(settings.kafka_bootstrap, ends)) == {tp0: 2}
+    assert asyncio.run(last_committed_offsets(settings.kafka_bootstrap, ends, tail=3)) == {}
+    assert asyncio.run(last_committed_offsets(settings.kafka_bootstrap, {tp0: 0})) == {}
