@@ -659,11 +659,13 @@ async def last_committed_offsets(bootstrap: str, ends: dict, *, tail: int = CHAN
         deadline = asyncio.get_running_loop().time() + timeout_s
         while reading and asyncio.get_running_loop().time() < deadline:
             for tp, records in (await consumer.getmany(*reading, timeout_ms=100)).items():
-                last[tp] = max([last.get(tp, -1)] + [r.offset for r in records if r.offset < ends[tp]])
+                below_end = [r.offset for r in records if r.offset < ends[tp]]  # in offset order
+                if below_end:
+                    last[tp] = below_end[-1]
             for tp in list(reading):
                 if await consumer.position(tp) >= ends[tp]:  # read past the end's markers
                     reading.discard(tp)
-        return {tp: offset for tp, offset in last.items() if tp not in reading and offset >= 0}
+        return {tp: offset for tp, offset in last.items() if tp not in reading}
     finally:
         await consumer.stop()
 
