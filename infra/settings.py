@@ -168,6 +168,11 @@ class Settings(BaseModel):
     history_port: int = Field(8084, ge=0, le=65535, description="port of the history SQL server and dashboard")
     history_token: str = Field("", description="Bearer token for SQL and the dashboard (empty: one is made "
                                                  "and kept in the state dir)")
+    stall_limit_s: float = Field(120.0, ge=5, le=3600, description="the history sink and the trainer end "
+                                 "themselves (exit 77; the supervisor restarts them with fresh clients) when one "
+                                 "Kafka or ClickHouse call of theirs has not returned this long: librdkafka can "
+                                 "block in a commit for good when the broker goes away mid-request "
+                                 "(infra/stall_guard.py)")
 
     # -- the trainer (trainer/) --
     weight_store: str = Field("", description="directory or fsspec URI of weight versions (default <state_dir>/weights)")
@@ -239,6 +244,15 @@ class Settings(BaseModel):
         if "*" in names and len(names) > 1:
             raise ValueError("either * (every project) or a list of project ids, not both")
         return ",".join(names)
+
+    @model_validator(mode="after")
+    def _stall_limit_above_the_batch_wait(self) -> "Settings":
+        # The sink's poll legitimately waits up to the batch interval: a limit under it would end a healthy sink.
+        if self.stall_limit_s <= self.history_batch_interval_s:
+            raise ValueError(f"TABLOOP_STALL_LIMIT_S ({self.stall_limit_s:g}) must be more than "
+                             f"TABLOOP_HISTORY_BATCH_INTERVAL_S ({self.history_batch_interval_s:g}): the history "
+                             "sink's poll waits that long for a batch to fill")
+        return self
 
     @model_validator(mode="after")
     def _project_policies_are_adapters(self) -> "Settings":

@@ -233,6 +233,59 @@ def test_a_fenced_sink_ends_instead_of_waiting_forever(kafka_settings, tmp_path)
             newer.close()
 
 
+def test_a_commit_the_broker_never_answers_is_reported_by_the_guard_and_nothing_is_lost(own_kafka, tmp_path):
+    """CI's fuzz drill: the broker went away while the history sink committed, and the commit never returned
+    (20 minutes, until the sink was killed), the history behind for good. Here the broker is paused at that
+    very moment, right after the sink stored its first batch (a fault put in at the one point that matters;
+    the sink's own code runs as it is). The guard reports the commit past its limit, naming it — where
+    `tabloop history` ends the process, exit 77 (tests/test_stall_guard.py) — and once the broker answers
+    again every event is stored exactly once."""
+    from infra.stall_guard import StallGuard
+
+    settings = make_settings(tmp_path, kafka_bootstrap=own_kafka.settings.kafka_bootstrap,
+                             history_batch_interval_s=0.2, stall_limit_s=5)
+    tag = uuid.uuid4().hex[:8]
+    topics = scratch_topics(settings, tag)
+    want = produce(settings, topics, 300, seed=11)
+    broker_pid = int(own_kafka.pid_file.read_text())
+    stalls: list[str] = []
+    guard = StallGuard("a test sink", settings.stall_limit_s, on_stall=stalls.append, check_every_s=0.5).start()
+
+    class BrokerPausedAfterStoring(HistorySink):
+        paused = False
+
+        def store_batch(self, batch):
+            stored = super().store_batch(batch)
+            if batch and not self.paused:
+                os.kill(broker_pid, signal.SIGSTOP)
+                self.paused = True
+            return stored
+
+    store = new_store()
+    sink = BrokerPausedAfterStoring(settings, store, topics, group_id=f"stalled-{tag}", guard=guard)
+    stop = threading.Event()
+    runner = threading.Thread(target=sink.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        wait(lambda: stalls, 90, "the guard to report the commit the paused broker never answered", poll_s=0.2)
+    finally:
+        os.kill(broker_pid, signal.SIGCONT)
+    try:
+        assert "committing the offsets of" in stalls[0] and "has not returned after" in stalls[0], stalls
+        wait(lambda: all(store.count(t) >= n for t, n in want.items()), 90, "the sink to store the rest",
+             poll_s=0.5)
+        stop.set()
+        runner.join(60)
+        for table, n in want.items():
+            assert store.count(table) == n, table  # raw rows: nothing twice
+        assert len(stalls) == 1, stalls  # one stalled call, reported once; the calls after it returned in time
+    finally:
+        stop.set()
+        runner.join(30)
+        sink.close()
+        guard.stop()
+
+
 def test_bad_topic_table_is_refused(kafka_settings, tmp_path):
     from streams.history.sink import HistoryError
 

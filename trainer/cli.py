@@ -14,6 +14,7 @@ import click
 
 from infra.bus import EventProducer, broker_answers, ensure_topics, read_topic
 from infra.settings import settings_of
+from infra.stall_guard import StallGuard
 from policy.show_gate import latest_statuses, serving_gate_record
 from policy.weight_store import (WeightStore, WeightStoreError, base_version_event, fold_statuses,
                                  promoted_version, read_weight_records, version_event)
@@ -53,6 +54,7 @@ def train(ctx: click.Context, topic: str, max_versions: int | None, **offline) -
     except ModelLoadError as exc:
         raise _error(str(exc)) from None
     signal.signal(signal.SIGTERM, lambda *_: trainer.stop())
+    trainer.guard = StallGuard("tabloop train", settings.stall_limit_s).start()
     click.echo(f"tabloop train: {trainer.base_model} on {trainer.device}, from version {trainer.version}; "
                f"weights in {settings.effective_weight_store}, logs in {settings.trainer_dir}")
     try:

@@ -53,12 +53,14 @@ import logging
 import threading
 import time
 from bisect import bisect_right
+from contextlib import nullcontext
 from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra.bus import EventProducer, decode_message, make_codec
 from infra.settings import Settings
+from infra.stall_guard import StallGuard
 from policy.models import use_torch_threads
 from policy.weight_store import Manifest, WeightStore, base_version_event, read_weight_records, version_event
 from rewards.spec import RewardSpecs
@@ -129,6 +131,8 @@ class OnlineTrainer:
         self.metrics_log = MetricsLog(self.log_dir)
         self._resumed = False
         """Whether ``run`` applied the resume rule (``_resume_from_serving``), once per process."""
+        self.guard: StallGuard | None = None
+        """Set by `tabloop train`: ends the process when a commit to Kafka never returns (infra/stall_guard.py)."""
         log.info("trainer for %s on %s: newest manifest version %d, %s, offsets %s", self.base_model, self.device,
                  self.version, "full fine-tuning" if self.policy.full else f"LoRA rank {settings.trainer_lora_rank}",
                  offsets or "from the committed/earliest")
@@ -303,6 +307,9 @@ class OnlineTrainer:
     def stop(self) -> None:
         self.stop_event.set()
 
+    def _guarded(self, what: str):
+        return self.guard.call(what) if self.guard is not None else nullcontext()
+
     def close(self) -> None:
         self.producer.close()
         self.codec.close()
@@ -318,8 +325,9 @@ class OnlineTrainer:
         p = self.progress
         if self.pending.samples or p.update_metrics or not p.consumed or p.offsets == self._tail_committed:
             return
-        consumer.commit(offsets=[TopicPartition(self.topic, int(part), off) for part, off in p.offsets.items()],
-                        asynchronous=False)
+        with self._guarded("committing the offsets of dropped episodes to Kafka"):
+            consumer.commit(offsets=[TopicPartition(self.topic, int(part), off) for part, off in p.offsets.items()],
+                            asynchronous=False)
         self._tail_committed = dict(p.offsets)
         log.info("committed %d dropped episodes (%s) with no version to save", p.consumed, p.dropped)
 
@@ -419,7 +427,8 @@ class OnlineTrainer:
         # Weights and manifest are on disk, Kafka has the WeightVersion: now the offsets may move.
         commit = [TopicPartition(self.topic, int(part), off) for part, off in p.offsets.items()]
         if commit:
-            consumer.commit(offsets=commit, asynchronous=False)
+            with self._guarded(f"committing the offsets of version {manifest.version} to Kafka"):
+                consumer.commit(offsets=commit, asynchronous=False)
         self.version = manifest.version
         self.total_consumed += p.consumed
         self.progress = Progress(dict(p.offsets), dict(p.offsets))

@@ -16,6 +16,7 @@ from infra.bus import broker_answers
 from infra.errors import TabloopError
 from infra.local import endpoints
 from infra.settings import settings_of
+from infra.stall_guard import StallGuard
 from rewards.spec import RewardSpecs
 from streams.history.bench import bench_history as run_bench_history
 from streams.history.replay import Selection, parse_offset, replay as run_replay
@@ -60,7 +61,9 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
             click.echo(action)
     except HistoryError as exc:
         _fail(str(exc))
-    sink = HistorySink(s, store, _topic_map(topics), group_id=group_id or GROUP_ID)
+    # A call that never returns (librdkafka's commit after a broker restart) ends the process for a fresh start.
+    guard = StallGuard("tabloop history", s.stall_limit_s).start()
+    sink = HistorySink(s, store, _topic_map(topics), group_id=group_id or GROUP_ID, guard=guard)
     token = history_token(s, create=True)
     try:
         server = HistoryServer(store, token, s.history_host, s.history_port, status=sink.stats.as_dict,
@@ -82,7 +85,8 @@ def history(ctx: click.Context, topics: tuple[str, ...], group_id: str | None) -
     except HistoryError as exc:  # nothing committed past what was stored: a restart resumes from here
         _fail(str(exc))
     finally:
-        sink.close()  # after the last batch was stored and committed
+        with guard.call("closing the Kafka consumer"):
+            sink.close()  # after the last batch was stored and committed
         server.stop()
         click.echo(f"history sink stopped: {json.dumps(sink.stats.as_dict())}")
 
