@@ -1,9 +1,10 @@
 """Ends a process whose loop is stuck inside one call, so that a restart begins with fresh clients.
 
 librdkafka's synchronous commit can block for good when the broker goes away while the request is out: in
-CI's fuzz drill (the ``kafka-30s`` schedule) the history sink sat in one ``commit`` for 20 minutes, through
-the broker's restart, and did not even end on SIGTERM. Its health was "alive", so nothing restarted it, and
-the history fell behind the topics for good. A call that never returns cannot be interrupted from Python;
+CI's fuzz drill (the ``kafka-30s`` schedule) the history sink's loop blocked in one call for 20 minutes from
+the moment the broker stopped, through its restart, and did not even end on SIGTERM (no librdkafka log line
+either, which its polls deliver: every sign points at the commit, the one call that waits on the broker
+without a timeout). Its health was "alive", so nothing restarted it, and the history fell behind for good. A call that never returns cannot be interrupted from Python;
 the process can only end. The loops guarded here commit their offsets only after their work is durable (the
 sink's rows are in ClickHouse, the trainer's version is saved), so ending one loses nothing acknowledged:
 its successor reads from the last commit and skips or redoes what came after.
