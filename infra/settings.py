@@ -133,6 +133,11 @@ class Settings(BaseModel):
     keep_unmatched: bool = Field(True, description="unmatched and cache-hit feedback become off-policy episodes")
     idle_close_s: float = Field(300, ge=0, description="idle partitions close windows by wall clock minus this")
     reward_spec_file: Path | None = Field(None, description="YAML reward specs (default and per project)")
+    streams_instance_id: str = Field("", pattern=r"^[A-Za-z0-9._-]*$", description="static group membership "
+                                     "(KIP-345) of this streams worker: a worker restarted with the same id takes "
+                                     "its partitions back at once, not after the dead one's 60 s session. One id "
+                                     "per worker (two alive with one id fence each other); `tabloop up` gives the "
+                                     "worker it supervises one. Empty: dynamic membership")
     streams_commit_interval_s: float = Field(
         0.5, gt=0, le=60, description="streams worker: seconds between commits (with exactly-once, an episode is "
                                       "readable downstream only after a commit, so this bounds latency: "

@@ -88,6 +88,9 @@ def build_app(settings: Settings, specs: RewardSpecs | None = None, config: Join
         # interval that already bounds each hop's latency (``streams_commit_interval_s``).
         producer_linger_ms=PRODUCER_LINGER_MS, producer_max_batch_size=PRODUCER_MAX_BATCH_BYTES,
         broker_commit_interval=settings.streams_commit_interval_s,
+        # Static membership where the worker has an id (`tabloop up` gives its worker one): the successor of
+        # a SIGKILLed worker takes its place at once instead of waiting for the dead member's session.
+        consumer_group_instance_id=settings.streams_instance_id or None,
     )
     app.tabloop_processing = asyncio.Lock()
     app.tabloop_changes = ChangelogWrites(app)

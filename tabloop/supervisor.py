@@ -21,6 +21,7 @@ The components are one table, ``COMPONENTS``. A component whose command is not
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import signal
@@ -99,6 +100,14 @@ def components_for(settings: Settings) -> tuple[Component, ...]:
                      for i in range(settings.vllm_replicas))
     names = tuple(r.name for r in replicas)
     return replicas + tuple(replace(c, waits_for=names) if c.name == "serve" else c for c in COMPONENTS)
+
+
+def streams_instance_id(settings: Settings) -> str:
+    """The static group member id of the streams worker `tabloop up` supervises: the same for every restart
+    of it (so a successor takes the killed worker's place at once), different for another tabloop's state
+    dir on the same broker (two workers with one id would fence each other)."""
+    digest = hashlib.sha256(f"{settings.state_dir.expanduser().resolve()}|{settings.kafka_bootstrap}".encode())
+    return f"tabloop-streams-{digest.hexdigest()[:12]}"
 
 
 def restart_delay(failures: int, base_s: float = BACKOFF_BASE_S, max_s: float = BACKOFF_MAX_S) -> float:
@@ -583,6 +592,8 @@ class Supervisor:
             child.members_before = self.probes.group_state(c.group_for(self.settings))[1]
         env = {**os.environ, **to_environ(self.settings)}
         env["PYTHONUNBUFFERED"] = "1"
+        if c.name == "streams" and not self.settings.streams_instance_id:
+            env["TABLOOP_STREAMS_INSTANCE_ID"] = streams_instance_id(self.settings)
         # The private umask: whatever a component writes (trainer logs, spool, ClickHouse parts) is 0600.
         child.proc = subprocess.Popen([sys.executable, "-m", "tabloop.cli", *c.command], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

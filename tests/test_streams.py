@@ -213,11 +213,11 @@ def episode_ids(settings) -> set:
     return {r.event.record["completion_id"] for r in read_topic(settings, "tabloop.episodes") if r.event}
 
 
-def drill_start(kafka, tmp_path, *, idle_s: float = IDLE_S, **scenario_args):
+def drill_start(kafka, tmp_path, *, idle_s: float = IDLE_S, instance_id: str = "", **scenario_args):
     """A drill's start: settings on the session's broker with the drills' windows, the topics, the scenario's
     events, and the episodes already on the topic (earlier tests'), which the checks leave out."""
     settings = make_settings(tmp_path, kafka_bootstrap=kafka.settings.kafka_bootstrap, join_window_s=WINDOW_S,
-                             join_lateness_s=LATENESS_S, idle_close_s=idle_s)
+                             join_lateness_s=LATENESS_S, idle_close_s=idle_s, streams_instance_id=instance_id)
     ensure_topics(settings)
     events, expected, kinds = scenario(**scenario_args)
     return settings, events, expected, kinds, episode_ids(settings)
@@ -262,6 +262,40 @@ def test_sigkill_mid_stream_loses_nothing_and_doubles_nothing(kafka, tmp_path):
         stop(worker)
     assert check(episodes, before, expected) == 0  # none lost, none twice: the same topic as an uninterrupted run
     assert stalled == {}  # the restarted worker commits every partition it reads (a stall: lag forever)
+
+
+def test_a_sigkilled_worker_with_an_instance_id_is_succeeded_at_once_and_nothing_is_doubled(kafka, tmp_path):
+    """Static group membership (TABLOOP_STREAMS_INSTANCE_ID, which `tabloop up` gives the worker it supervises):
+    the successor of a SIGKILLed worker, started with the same id, takes the dead one's place at once. Without
+    the id the group keeps the dead member's partitions until its 60 s session ends (the drill above waits that
+    out), and nothing becomes an episode meanwhile. The episodes are still each exactly once."""
+    from tabloop.fuzz import ASSIGNED_LINE
+
+    settings, events, expected, _, before = drill_start(kafka, tmp_path, seed=12, n_completions=1500,
+                                                        n_feedback=1500, instance_id="drill-static-0")
+    worker = start_worker(settings, "static-1.log")
+    try:
+        with EventProducer(settings) as producer:
+            for e in events:
+                producer.publish(e)
+        collect(settings, before, len(expected) // 3, 300, worker)
+        worker.kill()  # SIGKILL: no LeaveGroup, the group still lists it
+        worker.wait()
+        killed_at = time.monotonic()
+        worker = start_worker(settings, "static-2.log")
+        successor_log = settings.state_dir / "static-2.log"
+        # The dead member's last heartbeat came at most 3 s before the kill: its session ends 57 s after it at
+        # the earliest. An assignment before that is the static takeover, not the session's expiry.
+        wait(lambda: ASSIGNED_LINE in successor_log.read_text(errors="replace"), 50,
+             "the successor's first assignment before the dead member's 60 s session could end")
+        took_over_s = time.monotonic() - killed_at
+        collect(settings, before, len(expected), 600, worker)
+        nothing_left_to_close(settings, LATENESS_S + IDLE_S + 120)
+        episodes = [r.event.record for r in read_topic(settings, "tabloop.episodes") if r.event]
+    finally:
+        stop(worker)
+    assert took_over_s < 57, took_over_s
+    assert check(episodes, before, expected) == 0
 
 
 def test_undecodable_input_goes_to_the_dead_letter_topic(kafka, tmp_path):

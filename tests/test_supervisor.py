@@ -40,6 +40,19 @@ def test_back_off_doubles_from_one_second_up_to_a_minute():
     assert sv.restart_delay(3, base_s=0.5, max_s=1.5) == 1.5 and sv.restart_delay(2, base_s=0.5) == 1.0
 
 
+def test_the_supervised_worker_keeps_one_static_member_id_across_restarts_and_another_system_has_another(tmp_path):
+    # The same id at every restart is what lets a successor take a SIGKILLed worker's place at once; two
+    # systems (state dirs) on one broker with one id would fence each other's workers.
+    one = make_settings(tmp_path / "one", kafka_bootstrap="127.0.0.1:9092")
+    again = make_settings(tmp_path / "one", kafka_bootstrap="127.0.0.1:9092")
+    other = make_settings(tmp_path / "other", kafka_bootstrap="127.0.0.1:9092")
+    assert sv.streams_instance_id(one) == sv.streams_instance_id(again)
+    assert sv.streams_instance_id(one) != sv.streams_instance_id(other)
+    assert re.fullmatch(r"tabloop-streams-[0-9a-f]{12}", sv.streams_instance_id(one))
+    # and the setting accepts what it makes (the supervisor passes it as TABLOOP_STREAMS_INSTANCE_ID)
+    assert make_settings(tmp_path, streams_instance_id=sv.streams_instance_id(one)).streams_instance_id
+
+
 def test_the_table_runs_registered_commands_and_skips_the_rest(tmp_path):
     from tabloop.cli import COMMANDS
 
