@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Callable, Iterator
 
 log = logging.getLogger("tabloop.stall")
@@ -98,3 +98,8 @@ class StallGuard:
                 except (OSError, ValueError):
                     pass
             os._exit(EXIT_STALLED)
+
+
+def guarded(guard: StallGuard | None, what: str) -> AbstractContextManager:
+    """``guard.call(what)``, or nothing where the loop runs without a guard (in-process tests, library use)."""
+    return guard.call(what) if guard is not None else nullcontext()

@@ -53,14 +53,13 @@ import logging
 import threading
 import time
 from bisect import bisect_right
-from contextlib import nullcontext
 from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra.bus import EventProducer, decode_message, make_codec
 from infra.settings import Settings
-from infra.stall_guard import StallGuard
+from infra.stall_guard import StallGuard, guarded
 from policy.models import use_torch_threads
 from policy.weight_store import Manifest, WeightStore, base_version_event, read_weight_records, version_event
 from rewards.spec import RewardSpecs
@@ -307,8 +306,6 @@ class OnlineTrainer:
     def stop(self) -> None:
         self.stop_event.set()
 
-    def _guarded(self, what: str):
-        return self.guard.call(what) if self.guard is not None else nullcontext()
 
     def close(self) -> None:
         self.producer.close()
@@ -325,7 +322,7 @@ class OnlineTrainer:
         p = self.progress
         if self.pending.samples or p.update_metrics or not p.consumed or p.offsets == self._tail_committed:
             return
-        with self._guarded("committing the offsets of dropped episodes to Kafka"):
+        with guarded(self.guard, "committing the offsets of dropped episodes to Kafka"):
             consumer.commit(offsets=[TopicPartition(self.topic, int(part), off) for part, off in p.offsets.items()],
                             asynchronous=False)
         self._tail_committed = dict(p.offsets)
@@ -427,7 +424,7 @@ class OnlineTrainer:
         # Weights and manifest are on disk, Kafka has the WeightVersion: now the offsets may move.
         commit = [TopicPartition(self.topic, int(part), off) for part, off in p.offsets.items()]
         if commit:
-            with self._guarded(f"committing the offsets of version {manifest.version} to Kafka"):
+            with guarded(self.guard, f"committing the offsets of version {manifest.version} to Kafka"):
                 consumer.commit(offsets=commit, asynchronous=False)
         self.version = manifest.version
         self.total_consumed += p.consumed

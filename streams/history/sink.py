@@ -37,7 +37,6 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -47,7 +46,7 @@ from confluent_kafka import KafkaException
 
 from infra.bus import EventConsumer, gave_up
 from infra.settings import TABLE_FOR_EVENT, Settings, parse_retention
-from infra.stall_guard import StallGuard
+from infra.stall_guard import StallGuard, guarded
 from schemas.codec import EventDecodeError
 from schemas.events import EVENT_TYPES, EventType
 from schemas.token_ids import PACKED, packed_field, unpack_ids
@@ -634,7 +633,7 @@ class HistorySink:
         while len(batch) < self.batch_size and not (stop and stop.is_set()):
             timeout = 0.5 if first_at is None else max(0.0, first_at + self.batch_interval_s - time.monotonic())
             errors: list = []
-            with self._guarded("polling Kafka"):
+            with guarded(self.guard, "polling Kafka"):
                 got = self.consumer.poll(min(self.batch_size - len(batch), 10_000), timeout_s=timeout,
                                          errors=errors, decode=False)
             if errors:  # a broker or topic problem: store what came, then let run() wait it out
@@ -738,13 +737,13 @@ class HistorySink:
         if not batch:
             return 0
         rejects_before = self.stats.rejects
-        with self._guarded(f"storing {len(batch)} messages in ClickHouse"):
+        with guarded(self.guard, f"storing {len(batch)} messages in ClickHouse"):
             stored = self.store_batch(batch)
         self.stats.storing_s += time.monotonic() - storing_from
         # Rows stored whose offsets Kafka does not have yet: what a crash right now would redeliver.
         self.stats.uncommitted_rows += sum(stored.values()) + self.stats.rejects - rejects_before
         try:
-            with self._guarded(f"committing the offsets of {len(batch)} stored messages to Kafka"):
+            with guarded(self.guard, f"committing the offsets of {len(batch)} stored messages to Kafka"):
                 self.consumer.commit(batch)
             self.stats.uncommitted_rows = 0
         except KafkaException as exc:
@@ -757,8 +756,6 @@ class HistorySink:
         self.stats.batches += 1
         return len(batch)
 
-    def _guarded(self, what: str):
-        return self.guard.call(what) if self.guard is not None else nullcontext()
 
     def run(self, stop: threading.Event, on_batch: Callable[[int], None] | None = None) -> None:
         """Batches until ``stop``; Kafka errors (a broker away, a topic not made yet) are waited out."""
