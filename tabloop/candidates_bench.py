@@ -37,7 +37,9 @@ import numpy as np
 
 from infra.errors import TabloopError
 from policy.fim import prompt_format, prompt_token_ids
+from policy.agreement import consensus_choice, kept_utility, similar_chars_utility
 from policy.models import use_torch_threads
+from policy.shown import first_line
 from policy.show_gate import choose_threshold
 from policy.value_model import (BASE_FEATURES, ValueModel, choose, expected_chars, fit_projection, fit_value_model,
                                 request_features, score_candidates)
@@ -263,9 +265,19 @@ def sampled_requests(settings, model_spec: str, picked: Sequence, described: str
     return build_requests(picked, completions, reads, user, spec), timing, user, spec
 
 
-def parameter_free_choosers(samples: int, temperature: float) -> dict[str, Callable[[dict], int | None]]:
-    """The choosers that fit nothing: a plain server (greedy), sampling, the ceiling, and the three that read
-    only the request (agreement, the suffix's likelihood, the posterior)."""
+def rule_utility(user: UserModel) -> Callable[[str, str], float]:
+    """What a candidate is worth to ``user`` if the reference were the truth: its characters when the user's
+    rule takes its first line against the reference's, else nothing (the consensus chooser that knows the
+    simulated user's rule: how much knowing it is worth, not a chooser a real team could serve)."""
+    return lambda candidate, reference: float(len(candidate)) if user.takes_line(candidate, first_line(reference)) \
+        else 0.0
+
+
+def parameter_free_choosers(samples: int, temperature: float, user: UserModel
+                            ) -> dict[str, Callable[[dict], int | None]]:
+    """The choosers that fit nothing: a plain server (greedy), sampling, the ceiling, the ones that read
+    only the request (agreement, the suffix's likelihood, the posterior), and the consensus choosers (each
+    candidate against the others as stand-ins for the truth, ``policy.agreement``)."""
     return {
         "greedy, always shown": lambda req: 0 if req["texts"][0] is not None else None,
         f"first sample at T {temperature}, always shown": lambda req: (1 if len(req["texts"]) > 1
@@ -274,6 +286,10 @@ def parameter_free_choosers(samples: int, temperature: float) -> dict[str, Calla
         "majority vote": majority,
         "(a) suffix likelihood after candidate": by_column("suffix_mean_logprob"),
         "posterior: log p(candidate) + log p(suffix after it)": by_column("posterior_gap"),
+        "consensus: expected kept chars": lambda req: consensus_choice(req["texts"], kept_utility),
+        "consensus: expected similar chars": lambda req: consensus_choice(req["texts"], similar_chars_utility),
+        "consensus: expected accepted chars, knowing the user's rule": (
+            lambda req: consensus_choice(req["texts"], rule_utility(user))),
     }
 
 
@@ -304,7 +320,8 @@ def run_heldout_choosers(settings, model_spec: str, *, samples: int = 4, tempera
     return {"bench": "candidates", "model": model_spec, "split": "stdlib:heldout", "seed": seed,
             "tasks": len(picked), "samples": samples, "temperature": temperature, "max_tokens": max_tokens,
             "max_prompt_tokens": settings.max_prompt_tokens, "user": {"rule": rule, "threshold": threshold},
-            "heldout": measure_choosers(parameter_free_choosers(samples, temperature), requests, picked, user, spec),
+            "heldout": measure_choosers(parameter_free_choosers(samples, temperature, user), requests, picked, user,
+                                        spec),
             "timing": timing, "wall_s": round(time.monotonic() - started, 1)}
 
 
@@ -342,7 +359,7 @@ def run_candidates_bench(settings, model_spec: str, *, tasks: int = 200, samples
     thresholds = {label: cross_fitted_threshold(fit, fit_folds, settings.gate_keep_chars, pca=pca, l2=l2, **kw)
                   for label, (_, kw) in gated.items()}
 
-    choosers = parameter_free_choosers(samples, temperature)
+    choosers = parameter_free_choosers(samples, temperature, user)
     for name, kw in heads.items():
         choosers[name] = (lambda m, h: lambda req: choose(head_values(m, req, h), req["texts"]))(
             fitted[name], kw.get("hidden"))
@@ -393,8 +410,8 @@ def results_table(result: dict) -> str:
             return f"{d['value']:+.3f}"
         return f"{d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
 
-    head = [f"chooser ({'all held-out tasks' if measured == 'heldout' else 'validation half'})", "n", "accept rate among shown", "share shown", "accepted chars/req",
-            "kept chars/req", "Δ accepted chars/req vs greedy", "Δ kept chars/req vs greedy", "≠ greedy"]
+    tasks = 'all held-out tasks' if measured == 'heldout' else 'validation half'
+    head = [f"chooser ({tasks})", "n", "accept rate among shown", "share shown", "accepted chars/req", "kept chars/req", "Δ accepted chars/req vs greedy", "Δ kept chars/req vs greedy", "≠ greedy"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "|".join("---:" for _ in head[1:]) + "|"]
     for name, e in result[measured].items():
         lines.append("| " + " | ".join([name, str(e["n"]), *(cell(e, k) for k in REPORTED),

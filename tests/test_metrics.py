@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.metrics import (Scored, edit_similarity, exact_match, is_empty, levenshtein, line_match, markdown_table,
-                             summarize)
+from policy.agreement import levenshtein
+from trainer.metrics import Scored, edit_similarity, exact_match, is_empty, line_match, markdown_table, summarize
 
 
 @pytest.mark.parametrize("a,b,d", [("", "", 0), ("abc", "", 3), ("kitten", "sitting", 3), ("flaw", "lawn", 2),

@@ -125,7 +125,7 @@ def test_the_parameter_free_choosers_by_hand():
                                                                          read(-2.0, -0.5)]]
     user, spec = UserModel("exact"), RewardSpec()
     requests = build_requests(tasks, completions, reads, user, spec)
-    measured = measure_choosers(parameter_free_choosers(2, 0.7), requests, tasks, user, spec)
+    measured = measure_choosers(parameter_free_choosers(2, 0.7, user), requests, tasks, user, spec)
     greedy, oracle = measured["greedy, always shown"], measured["oracle best of 3"]
     suffix, posterior = measured["(a) suffix likelihood after candidate"], measured[
         "posterior: log p(candidate) + log p(suffix after it)"]

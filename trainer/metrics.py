@@ -16,26 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from policy.agreement import edit_similarity
 from policy.shown import first_line
-
-
-def levenshtein(a: str, b: str) -> int:
-    """Edits (insert, delete, substitute one character) that turn ``a`` into ``b``."""
-    if len(a) < len(b):
-        a, b = b, a
-    previous = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        current = [i]
-        for j, cb in enumerate(b, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
-        previous = current
-    return previous[-1]
-
-
-def edit_similarity(a: str, b: str) -> float:
-    """1 − levenshtein(a, b) / max(len(a), len(b)); two empty texts are identical (1.0)."""
-    longest = max(len(a), len(b))
-    return 1.0 if longest == 0 else 1.0 - levenshtein(a, b) / longest
 
 
 def exact_match(prediction: str, reference: str) -> bool:
