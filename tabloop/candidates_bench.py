@@ -13,7 +13,8 @@ the choosers that fit nothing, so nothing is chosen on them.
 
 The choosers (``CHOOSERS``): greedy always shown (a plain server), the first sample always shown (sampling
 at the exploration temperature), the oracle best of the candidates (the ceiling), a majority vote, the
-suffix's likelihood after the candidate, the posterior log p(candidate, suffix | prompt), and logistic
+suffix's likelihood after the candidate, the posterior log p(candidate, suffix | prompt), the consensus
+choosers (each candidate against the others as stand-ins for the truth, ``policy.agreement``), and logistic
 heads (``policy.value_model``) on the logprob figures alone (what the issue found does not beat greedy), on
 every figure, and on every figure plus the policy's hidden state (at the candidate's end, or after the
 suffix) projected on its top principal components; that head and the logprob one also with a show
