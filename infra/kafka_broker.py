@@ -115,10 +115,18 @@ class LocalKafka:
         """Start the broker (formatting storage on first start); return once it answers metadata."""
         running = self._running_pid()
         if running:
-            if self._answers():
-                return self.status()
-            raise KafkaLaunchError(f"a broker (pid {running}) is running from {self.dir} but does not answer "
-                                   f"on {self.bootstrap}; see {self.log_file} or run `tabloop kafka stop`")
+            # It may be starting: another `tabloop kafka start` launched it a moment ago (two at once, or a
+            # stop-and-start overlapping another). Waited for as this start would wait for its own broker.
+            deadline = time.monotonic() + timeout_s
+            while self._running_pid() == running:
+                if self._answers():
+                    return self.status()
+                if time.monotonic() >= deadline:
+                    raise KafkaLaunchError(f"a broker (pid {running}) is running from {self.dir} but did not answer "
+                                           f"on {self.bootstrap} within {timeout_s:.0f}s; see {self.log_file} or "
+                                           f"run `tabloop kafka stop`")
+                time.sleep(0.3)
+            return self.start(timeout_s=timeout_s)  # it exited (its start failed): one afresh
         java = self._java()
         if _port_in_use(self.host, self.port):
             raise KafkaLaunchError(f"port {self.port} on {self.host} is already in use; "

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import wait
@@ -291,3 +292,52 @@ def test_a_picked_port_is_none_another_process_already_picked():
     every = set(range(PORT_FLOOR, low))
     assert not {_free_port(avoid=every) for _ in range(5)} & every
     assert PORT_FLOOR <= _free_port() < low or low - PORT_FLOOR < 1000  # without it, that range
+
+
+def test_a_start_while_another_is_starting_the_broker_waits_for_it(tmp_path, kafka_settings):
+    """Two starts at once (or a stop-and-start overlapping another, as the fuzzer's faults can): the second
+    finds the first one's broker running but not answering yet, and waits for it instead of calling it broken.
+    The broker is held (SIGSTOP) from the moment it exists until 2 s into the second start, so that start
+    surely finds it silent. A broker that stays silent still gets the error, after the wait."""
+    import signal
+    import threading
+
+    from infra.kafka_broker import free_port
+
+    settings = kafka_settings.model_copy(update={"state_dir": tmp_path,
+                                                 "kafka_bootstrap": f"127.0.0.1:{free_port()}"})
+    first, second = LocalKafka(settings), LocalKafka(settings)
+    started: dict = {}
+    threads = [threading.Thread(target=lambda: started.update(first=first.start()))]
+    threads[0].start()
+    try:
+        deadline = time.monotonic() + 60
+        while first._running_pid() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        pid = first._running_pid()
+        os.kill(pid, signal.SIGSTOP)
+
+        def second_start() -> None:
+            try:
+                started["second"] = second.start()
+            except KafkaLaunchError as exc:
+                started["second"] = exc
+
+        threads.append(threading.Thread(target=second_start))
+        threads[1].start()
+        time.sleep(2.0)
+        os.kill(pid, signal.SIGCONT)
+        for thread in threads:
+            thread.join(120)
+        assert not isinstance(started["second"], Exception), f"the second start gave up: {started['second']}"
+        assert started["second"].pid == started["first"].pid == pid and started["second"].answering
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(KafkaLaunchError, match=r"did not answer .* within 2s"):
+                second.start(timeout_s=2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        for thread in threads:
+            thread.join(120)
+        first.stop()
