@@ -15,6 +15,10 @@ What a candidate is worth against a stand-in truth is a ``utility(candidate, ref
   which a user who takes near-right lines rewards.
 
 Everything here is pure; ``choose`` (greedy on ties, never a candidate that shows nothing) makes the pick.
+
+Measured by ``tabloop bench candidates`` on train tasks under the loop's user (docs/bench-loop/consensus/): the
+consensus does not beat greedy there (the samples seldom agree on the right line when greedy is wrong), so the
+front door does not offer it; it serves the posterior. The bench keeps it as a measured baseline.
 """
 
 from __future__ import annotations

@@ -412,7 +412,8 @@ def results_table(result: dict) -> str:
         return f"{d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
 
     tasks = 'all held-out tasks' if measured == 'heldout' else 'validation half'
-    head = [f"chooser ({tasks})", "n", "accept rate among shown", "share shown", "accepted chars/req", "kept chars/req", "Δ accepted chars/req vs greedy", "Δ kept chars/req vs greedy", "≠ greedy"]
+    head = [f"chooser ({tasks})", "n", "accept rate among shown", "share shown", "accepted chars/req", "kept chars/req",
+            "Δ accepted chars/req vs greedy", "Δ kept chars/req vs greedy", "≠ greedy"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "|".join("---:" for _ in head[1:]) + "|"]
     for name, e in result[measured].items():
         lines.append("| " + " | ".join([name, str(e["n"]), *(cell(e, k) for k in REPORTED),
