@@ -481,6 +481,7 @@ def test_a_worker_whose_transactions_are_fenced_mid_stream_exits_at_once_and_not
     producer, counted the offsets as committed and went on until its next commit raised ("Not in the middle of
     a transaction"), then stopped gracefully (exit 1); after a Kafka outage such a graceful stop went on
     committing for a minute with its transactions open (issue 44: a reader held 70 s behind them)."""
+    from streams.app import EXIT_PRODUCER_DIED
     from streams.upstream import EXIT_UNCOMMITTED
 
     settings, events, expected, _, before = drill_start(kafka, tmp_path, seed=23, n_completions=1500, n_feedback=1500)
@@ -500,7 +501,10 @@ def test_a_worker_whose_transactions_are_fenced_mid_stream_exits_at_once_and_not
         stop(worker)
     print(f"fenced worker's exit code {code}; restarts {restarts}; group members right after: {members_after_exit}")
     assert check(episodes, before, expected) == 0
-    assert code == EXIT_UNCOMMITTED, (code, "\n".join(ln for ln in log.splitlines()[-60:] if "rdkafka" not in ln))
+    # Fenced, the worker ends itself at its next commit (76) or, where its producer dies of the fence first, as
+    # a dead producer (75; once in a clean-clone CI): either way at once, by os._exit, leaving the group.
+    assert code in (EXIT_UNCOMMITTED, EXIT_PRODUCER_DIED), (
+        code, "\n".join(ln for ln in log.splitlines()[-60:] if "rdkafka" not in ln))
     # It left the group on its way out: its successor is not kept waiting for the dead member's session to
     # expire (60 s; on 44021f7 the member was still listed here and a successor got nothing for a minute).
     assert members_after_exit == [], members_after_exit
