@@ -31,13 +31,19 @@ from policy.value_model import choose
 Utility = Callable[[str, str], float]
 
 
-def kept_utility(candidate: str, reference: str) -> float:
-    """The characters of ``candidate`` a user whose true code is ``reference`` keeps: their common prefix.
+def common_prefix_length(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` share from their start: what a user keeps of an accepted ``a`` when
+    the true code is ``b`` (``trainer.proof.simulate.kept_characters``).
 
-    >>> kept_utility("foo(a, b)", "foo(a)"), kept_utility("x", "")
-    (5.0, 0.0)
+    >>> common_prefix_length("foo(a, b)", "foo(a)"), common_prefix_length("x", "")
+    (5, 0)
     """
-    return float(len(os.path.commonprefix([candidate, reference])))
+    return len(os.path.commonprefix([a, b]))
+
+
+def kept_utility(candidate: str, reference: str) -> float:
+    """The characters of ``candidate`` a user whose true code is ``reference`` keeps: their common prefix."""
+    return float(common_prefix_length(candidate, reference))
 
 
 def levenshtein(a: str, b: str) -> int:

@@ -306,7 +306,6 @@ class OnlineTrainer:
     def stop(self) -> None:
         self.stop_event.set()
 
-
     def close(self) -> None:
         self.producer.close()
         self.codec.close()

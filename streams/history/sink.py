@@ -756,7 +756,6 @@ class HistorySink:
         self.stats.batches += 1
         return len(batch)
 
-
     def run(self, stop: threading.Event, on_batch: Callable[[int], None] | None = None) -> None:
         """Batches until ``stop``; Kafka errors (a broker away, a topic not made yet) are waited out."""
         last_error = ""

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 
 import httpx
 
+from policy.agreement import common_prefix_length
 from policy.fim import QWEN_STOP_WORDS
 from policy.shown import first_line, shown_text, single_line_mode
 from rewards import sandbox
@@ -115,12 +116,7 @@ def kept_characters(completion: str, truth: str) -> int:
     Never more than ``len(completion)`` nor ``len(truth)``: text written past the true continuation (the
     suffix that is already in the file, repeated) is not kept.
     """
-    n = 0
-    for a, b in zip(completion, truth):
-        if a != b:
-            break
-        n += 1
-    return n
+    return common_prefix_length(completion, truth)
 
 
 def true_continuations(task: FimTask, *, single_line: bool) -> tuple[str, ...]:
