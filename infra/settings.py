@@ -175,9 +175,10 @@ class Settings(BaseModel):
                                                  "and kept in the state dir)")
     stall_limit_s: float = Field(120.0, ge=5, le=3600, description="the history sink and the trainer end "
                                  "themselves (exit 77; the supervisor restarts them with fresh clients) when one "
-                                 "Kafka or ClickHouse call of theirs has not returned this long: librdkafka can "
-                                 "block in a commit for good when the broker goes away mid-request "
-                                 "(infra/stall_guard.py)")
+                                 "Kafka or ClickHouse call of theirs has not returned this long, or their "
+                                 "consumer has held no partition this long: librdkafka can block in a commit for "
+                                 "good when the broker goes away mid-request, and a group rejoin after a broker "
+                                 "outage can hang (infra/stall_guard.py)")
 
     # -- the trainer (trainer/) --
     weight_store: str = Field("", description="directory or fsspec URI of weight versions (default <state_dir>/weights)")

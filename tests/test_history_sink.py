@@ -286,6 +286,55 @@ def test_a_commit_the_broker_never_answers_is_reported_by_the_guard_and_nothing_
         guard.stop()
 
 
+@pytest.mark.drill  # a broker of its own, away past the consumer's 45 s session: over a minute
+def test_a_sink_left_without_partitions_is_reported_by_the_guard_and_nothing_is_lost(own_kafka, tmp_path):
+    """A clean-clone CI's fault drill: after a 30 s Kafka stop the sink's session timed out, its assignment was
+    revoked, and the rejoin never finished; every poll returned, empty, for 8 minutes. Here the broker stays
+    away past the session, so the consumer gives its partitions up (a rejoin that hangs cannot be made on
+    purpose; a consumer holding nothing is what the guard can see either way). The guard reports it past its
+    limit — where `tabloop history` ends the process, exit 77, and the supervisor starts a fresh consumer —
+    and once the broker is back every event is stored exactly once."""
+    from infra.stall_guard import StallGuard
+
+    settings = make_settings(tmp_path, kafka_bootstrap=own_kafka.settings.kafka_bootstrap,
+                             history_batch_interval_s=0.2, stall_limit_s=5)
+    tag = uuid.uuid4().hex[:8]
+    topics = scratch_topics(settings, tag)
+    want = produce(settings, topics, 300, seed=12)
+    stalls: list[str] = []
+    guard = StallGuard("a test sink", settings.stall_limit_s, on_stall=stalls.append).start()
+    store = new_store()
+    sink = HistorySink(settings, store, topics, group_id=f"unassigned-{tag}", guard=guard)
+    stop = threading.Event()
+    runner = threading.Thread(target=sink.run, args=(stop,), daemon=True)
+    runner.start()
+    broker_down = False
+    try:
+        wait(lambda: all(store.count(t) >= n for t, n in want.items()), 60, "the first events stored", poll_s=0.2)
+        assert stalls == []  # partitions held: nothing to report
+        own_kafka.stop()
+        broker_down = True
+        wait(lambda: stalls, 120, "the guard to report the consumer holding no partition", poll_s=0.5)
+        assert "held no partition" in stalls[0], stalls
+        own_kafka.start()
+        broker_down = False
+        more = produce(settings, topics, 200, seed=13)
+        want = {t: want[t] + more[t] for t in want}
+        wait(lambda: all(store.count(t) >= n for t, n in want.items()), 120, "the sink to store the rest",
+             poll_s=0.5)
+        stop.set()
+        runner.join(60)
+        for table, n in want.items():
+            assert store.count(table) == n, table  # raw rows: nothing twice
+    finally:
+        stop.set()
+        if broker_down:
+            own_kafka.start()
+        runner.join(30)
+        sink.close()
+        guard.stop()
+
+
 def test_bad_topic_table_is_refused(kafka_settings, tmp_path):
     from streams.history.sink import HistoryError
 

@@ -77,3 +77,24 @@ def test_a_limit_the_batch_wait_would_pass_is_refused_by_name():
     assert "TABLOOP_STALL_LIMIT_S" in str(refused.value) and "TABLOOP_HISTORY_BATCH_INTERVAL_S" in str(refused.value)
     with pytest.raises(ValueError):
         StallGuard("no limit", 0)
+
+
+def test_a_consumer_without_partitions_past_the_limit_is_reported_once_per_stretch():
+    """The clock by hand: held none from t=10; reported at 10 + limit, not before, once; a partition back
+    starts it over."""
+    stalls: list[str] = []
+    guard = StallGuard("a test loop", 30, on_stall=stalls.append)  # not started: no watcher thread needed
+    guard.held_partitions(3, now=0)
+    guard.held_partitions(0, now=10)
+    guard.held_partitions(0, now=39.9)
+    assert stalls == []
+    guard.held_partitions(0, now=40)
+    assert len(stalls) == 1 and "held no partition for 30 s" in stalls[0], stalls
+    guard.held_partitions(0, now=100)
+    assert len(stalls) == 1  # one report per stretch
+    guard.held_partitions(1, now=101)
+    guard.held_partitions(0, now=102)
+    guard.held_partitions(0, now=131)
+    assert len(stalls) == 1  # 29 s into the new stretch
+    guard.held_partitions(0, now=132)
+    assert len(stalls) == 2 and "for 30 s" in stalls[1], stalls

@@ -59,7 +59,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra.bus import EventProducer, decode_message, make_codec
 from infra.settings import Settings
-from infra.stall_guard import StallGuard, guarded
+from infra.stall_guard import StallGuard, guarded, held_partitions
 from policy.models import use_torch_threads
 from policy.weight_store import Manifest, WeightStore, base_version_event, read_weight_records, version_event
 from rewards.spec import RewardSpecs
@@ -131,7 +131,8 @@ class OnlineTrainer:
         self._resumed = False
         """Whether ``run`` applied the resume rule (``_resume_from_serving``), once per process."""
         self.guard: StallGuard | None = None
-        """Set by `tabloop train`: ends the process when a commit to Kafka never returns (infra/stall_guard.py)."""
+        """Set by `tabloop train`: ends the process when a commit to Kafka never returns, or its consumer holds
+        no partition for as long (infra/stall_guard.py)."""
         log.info("trainer for %s on %s: newest manifest version %d, %s, offsets %s", self.base_model, self.device,
                  self.version, "full fine-tuning" if self.policy.full else f"LoRA rank {settings.trainer_lora_rank}",
                  offsets or "from the committed/earliest")
@@ -271,6 +272,7 @@ class OnlineTrainer:
                 if self._read_head_feed():
                     last_activity = time.monotonic()
                 messages = episodes.consume(500, 1.0)
+                held_partitions(self.guard, episodes)  # a rejoin that never ends: the guard ends the process
                 for m in messages:
                     received = decode_message(self.codec, m)
                     if received is None:

@@ -46,7 +46,7 @@ from confluent_kafka import KafkaException
 
 from infra.bus import EventConsumer, gave_up
 from infra.settings import TABLE_FOR_EVENT, Settings, parse_retention
-from infra.stall_guard import StallGuard, guarded
+from infra.stall_guard import StallGuard, guarded, held_partitions
 from schemas.codec import EventDecodeError
 from schemas.events import EVENT_TYPES, EventType
 from schemas.token_ids import PACKED, packed_field, unpack_ids
@@ -763,6 +763,7 @@ class HistorySink:
             try:
                 n = self.step(stop)
             except KafkaException as exc:
+                held_partitions(self.guard, self.consumer)
                 if gave_up(exc):
                     # A consumer librdkafka has given up on (e.g. fenced by its own rejoin after a broker
                     # outage) never consumes again: end, so that a restart begins with a new one. Nothing
@@ -775,6 +776,7 @@ class HistorySink:
                 stop.wait(1.0)
                 continue
             last_error = ""
+            held_partitions(self.guard, self.consumer)  # a rejoin that never ends: the guard ends the process
             if n and on_batch:
                 on_batch(n)
 
