@@ -233,6 +233,18 @@ def test_a_fenced_sink_ends_instead_of_waiting_forever(kafka_settings, tmp_path)
             newer.close()
 
 
+def stored_exactly_once(store, want: dict[str, int], stop: threading.Event, runner: threading.Thread, *,
+                        timeout_s: float) -> None:
+    """Wait for the sink running in ``runner`` to store ``want`` rows per table, stop it, and check that it
+    stored each event once (raw rows: a duplicate would count twice)."""
+    wait(lambda: all(store.count(t) >= n for t, n in want.items()), timeout_s, "the sink to store the rest",
+         poll_s=0.5)
+    stop.set()
+    runner.join(60)
+    for table, n in want.items():
+        assert store.count(table) == n, table
+
+
 def test_a_commit_the_broker_never_answers_is_reported_by_the_guard_and_nothing_is_lost(own_kafka, tmp_path):
     """CI's fuzz drill: the broker went away while the history sink committed, and the commit never returned
     (20 minutes, until the sink was killed), the history behind for good. Here the broker is paused at that
@@ -272,12 +284,7 @@ def test_a_commit_the_broker_never_answers_is_reported_by_the_guard_and_nothing_
         os.kill(broker_pid, signal.SIGCONT)
     try:
         assert "committing the offsets of" in stalls[0] and "has not returned after" in stalls[0], stalls
-        wait(lambda: all(store.count(t) >= n for t, n in want.items()), 90, "the sink to store the rest",
-             poll_s=0.5)
-        stop.set()
-        runner.join(60)
-        for table, n in want.items():
-            assert store.count(table) == n, table  # raw rows: nothing twice
+        stored_exactly_once(store, want, stop, runner, timeout_s=90)
         assert len(stalls) == 1, stalls  # one stalled call, reported once; the calls after it returned in time
     finally:
         stop.set()
@@ -320,12 +327,7 @@ def test_a_sink_left_without_partitions_is_reported_by_the_guard_and_nothing_is_
         broker_down = False
         more = produce(settings, topics, 200, seed=13)
         want = {t: want[t] + more[t] for t in want}
-        wait(lambda: all(store.count(t) >= n for t, n in want.items()), 120, "the sink to store the rest",
-             poll_s=0.5)
-        stop.set()
-        runner.join(60)
-        for table, n in want.items():
-            assert store.count(table) == n, table  # raw rows: nothing twice
+        stored_exactly_once(store, want, stop, runner, timeout_s=120)
     finally:
         stop.set()
         if broker_down:
