@@ -760,10 +760,10 @@ class HistorySink:
         """Batches until ``stop``; Kafka errors (a broker away, a topic not made yet) are waited out."""
         last_error = ""
         while not stop.is_set():
+            held_partitions(self.guard, self.consumer)  # a rejoin that never ends: the guard ends the process
             try:
                 n = self.step(stop)
             except KafkaException as exc:
-                held_partitions(self.guard, self.consumer)
                 if gave_up(exc):
                     # A consumer librdkafka has given up on (e.g. fenced by its own rejoin after a broker
                     # outage) never consumes again: end, so that a restart begins with a new one. Nothing
@@ -776,7 +776,6 @@ class HistorySink:
                 stop.wait(1.0)
                 continue
             last_error = ""
-            held_partitions(self.guard, self.consumer)  # a rejoin that never ends: the guard ends the process
             if n and on_batch:
                 on_batch(n)
 
